@@ -1,0 +1,66 @@
+"""Compile a kernel module on demand into a cache folder and import it.
+
+Used for models outside the pre-generated set.  The module name is the hash of its text, so a
+changed model never loads a stale binary.  Compiler errors are shown, never swallowed.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+from derive.registry import KernelSpec
+
+from .generate import render_module
+
+
+def cache_dir() -> Path:
+    """``$SMI_CACHE`` or ``~/.cache/smi/kernels``."""
+    root = os.environ.get("SMI_CACHE") or Path.home() / ".cache" / "smi"
+    return Path(root) / "kernels"
+
+
+def _import(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_module(kernels: list[KernelSpec], verbose: bool = True):
+    """Render, write, compile (Cython + C compiler with OpenMP) and import a module."""
+    text = render_module(kernels)
+    name = "smi_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = cache_dir() / name
+    built = sorted(folder.glob(f"{name}*.so")) if folder.exists() else []
+    if built:
+        return _import(name, built[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    pyx = folder / f"{name}.pyx"
+    pyx.write_text(text)
+    if verbose:
+        print(f"smi: compiling kernels {', '.join(k.name for k in kernels)} into {folder} "
+              "(first use only; this takes a few seconds)…", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    _build_inplace(pyx)
+    if verbose:
+        print(f"smi: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return _import(name, next(folder.glob(f"{name}*.so")))
+
+
+def _build_inplace(pyx: Path) -> None:
+    from Cython.Build import cythonize
+    from setuptools import Distribution, Extension
+
+    ext = Extension(pyx.stem, [str(pyx)], extra_compile_args=["-O2", "-fopenmp"],
+                    extra_link_args=["-fopenmp"])
+    dist = Distribution({"ext_modules": cythonize([ext], language_level=3, quiet=True),
+                         "script_name": "smi-build"})
+    cmd = dist.get_command_obj("build_ext")
+    cmd.build_lib = str(pyx.parent)
+    cmd.build_temp = str(pyx.parent / "build")
+    cmd.inplace = False
+    dist.run_command("build_ext")

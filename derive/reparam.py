@@ -1,0 +1,74 @@
+"""Channel reparametrisation of noiseless softmax deep attention with r = 1 (spec §4).
+
+Row t of y = σ_β(u uᵀ) gives ℓ_ts := log(y_ts / y_tt) / β = u_t (u_s - u_t).  For a pair (t, s):
+
+    (u_t - u_s)² = -ℓ_ts - ℓ_st =: d_ts,   u_t = -ℓ_ts / √d_ts,   u_s = ℓ_st / √d_ts
+
+(T = 2: u = (a, -b)/√(a+b) with a = -ℓ_12, b = -ℓ_21).  For T ≥ 3 the pair with the largest
+d_ts fixes the global sign and the scale, and every other token k follows from rows t and s by
+least squares, u_k = [u_t(ℓ_tk + u_t²) + u_s(ℓ_sk + u_s²)] / (u_t² + u_s²).  The residuals
+β u_t (u_s - u_t) - log(y_ts / y_tt) of the full overdetermined system are returned so the caller
+can reject an inconsistent y.  Then h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L (adjugate over determinant) and
+log|det Φ⁽ᴸ⁻¹⁾| is the log-Jacobian of h_L ↦ u_L.  The other pre-image is (-u_L, -h_L).
+"""
+from __future__ import annotations
+
+from itertools import combinations
+
+import sympy as sp
+
+from .attention import BETA, AttentionSpec, determinant, index_symbols, mixing
+from .program import Program
+
+
+def _pair_solution(ell, t, s, T, prog):
+    D = prog.assign("D", sp.sqrt(-ell[t, s] - ell[s, t]))
+    u = [None] * T
+    u[t], u[s] = prog.assign("ut", -ell[t, s] / D), prog.assign("us", ell[s, t] / D)
+    others = [k for k in range(T) if u[k] is None]
+    norm = prog.assign("n", 1 / (u[t] ** 2 + u[s] ** 2)) if others else None
+    for k in others:
+        u[k] = prog.assign("uk", (u[t] * (ell[t, k] + u[t] ** 2) + u[s] * (ell[s, k] + u[s] ** 2)) * norm)
+    return u
+
+
+def last_layer_vector(prog: Program, y: sp.Matrix) -> tuple[list, sp.Matrix]:
+    """u_L (one of ±) from a softmax output y, and the residual matrix of the log-ratio system."""
+    T = y.shape[0]
+    lg = y.applyfunc(lambda e: prog.assign("lg", sp.log(e)))
+    ell = sp.Matrix(T, T, lambda t, s: prog.assign("ell", (lg[t, s] - lg[t, t]) / BETA) if s != t else 0)
+    pairs = list(combinations(range(T), 2))
+    sols = [_pair_solution(ell, t, s, T, prog) for t, s in pairs]
+    if len(pairs) == 1:
+        u = sols[0]
+    else:   # the pair with the largest (u_t - u_s)²; first such pair on ties
+        d = [-ell[t, s] - ell[s, t] for t, s in pairs]
+        conds = [sp.And(*[d[i] > d[j] for j in range(i)], *[d[i] >= d[j] for j in range(i + 1, len(d))])
+                 for i in range(len(d))]
+        u = [prog.assign("u", sp.Piecewise(*[(sol[k], cond) for sol, cond in zip(sols[:-1], conds[:-1])],
+                                           (sols[-1][k], True)))
+             for k in range(T)]
+    resid = sp.Matrix(T, T, lambda t, s: prog.assign("res", BETA * (u[t] * (u[s] - u[t]) - ell[t, s]))
+                      if s != t else 0)
+    return u, resid
+
+
+def reparam_program(spec: AttentionSpec) -> Program:
+    """(y, h_{<L}) → u_L, h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹u_L, log|det Φ⁽ᴸ⁻¹⁾|, residuals (the + sign)."""
+    if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
+        raise ValueError("the reparametrisation needs architecture='tied', link='softmax', rank=1")
+    T = spec.tokens
+    y = index_symbols(T, T, "y")
+    hprev = index_symbols(spec.layers - 1, T)
+    prog = Program(spec.key + "_reparam", {"y": y, "z": hprev}, spec.params(),
+                   source="derive.reparam.reparam_program")
+    u, resid = last_layer_vector(prog, y)
+    Phi = mixing(prog, spec, hprev, spec.layers - 1)
+    det, logdet = determinant(prog, Phi)
+    inv_det = prog.assign("idet", 1 / det)
+    h = prog.assign_matrix("h", Phi.adjugate(method="berkowitz") * sp.Matrix(u) * inv_det)
+    prog.outputs["u"] = sp.Matrix(u)
+    prog.outputs["h"] = h
+    prog.outputs["logdet"] = sp.Matrix([[logdet]])
+    prog.outputs["residual"] = sp.Matrix([resid[t, s] for t in range(T) for s in range(T) if s != t])
+    return prog

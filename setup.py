@@ -1,0 +1,23 @@
+"""Compile the committed kernels in generated/ (one extension module per .pyx, OpenMP)."""
+from pathlib import Path
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+OPENMP = {"extra_compile_args": ["-O2", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
+
+
+class ParallelBuildExt(build_ext):
+    """Build the extension modules in parallel (one compiler per core)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = True
+
+
+extensions = [Extension(f"generated.{p.stem}", [str(p)], **OPENMP)
+              for p in sorted(Path("generated").glob("*.pyx"))]
+setup(ext_modules=cythonize(extensions, language_level=3, nthreads=2, quiet=True),
+      cmdclass={"build_ext": ParallelBuildExt})
