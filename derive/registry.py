@@ -89,3 +89,30 @@ PREGENERATED_SPECS = tuple(AttentionSpec(L, T, r) for L in (1, 2, 3) for T in (2
 def pregenerated() -> list[KernelSpec]:
     """All kernels committed under generated/, in a fixed order."""
     return [k for spec in PREGENERATED_SPECS for k in attention_kernels(spec).values()]
+
+
+def make_link(name: str, expr, *, indices=None, tokens=None, params=()) -> LinkSpec:
+    """A LinkSpec from a SymPy expression or a function ``f(H, *params)``.  ``indices`` and
+    ``tokens`` default to the largest index symbol ``z_a_t`` the expression uses."""
+    from .attention import index_symbols
+    if not name.isidentifier():
+        raise ValueError(f"link name must be an identifier, got {name!r}")
+    given = [sp.Symbol(p) if isinstance(p, str) else p for p in params]
+    params = tuple(sp.Symbol(p.name, real=True) for p in given)
+    if callable(expr) and not isinstance(expr, sp.Basic):
+        if indices is None or tokens is None:
+            raise ValueError("indices and tokens are required when the link is a function")
+        expr = expr(index_symbols(indices, tokens), *params)
+    expr = sp.Matrix(expr) if isinstance(expr, (list, sp.MatrixBase)) else sp.Matrix([[sp.sympify(expr)]])
+    expr = expr.subs(dict(zip(given, params)))
+    used = [s for s in expr.free_symbols if s.name.startswith("z_")]
+    if indices is None or tokens is None:
+        found = [tuple(map(int, s.name.split("_")[1:])) for s in used]
+        indices = indices or 1 + max((a for a, _ in found), default=0)
+        tokens = tokens or 1 + max((t for _, t in found), default=0)
+    allowed = set(index_symbols(indices, tokens)) | set(params)
+    stray = sorted(str(s) for s in expr.free_symbols if s not in allowed)
+    if stray:
+        raise ValueError(f"link {name!r} uses symbols {stray} that are neither index symbols "
+                         f"z_a_t (a < {indices}, t < {tokens}) nor declared params")
+    return LinkSpec(name, indices, tokens, expr, params)
