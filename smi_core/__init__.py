@@ -2,6 +2,7 @@
 from derive.attention import index_symbols
 
 from .models import DeepAttention, LinkModel, Mixing, Reparametrisation, SMIModel, register_link
+from .series import ExactEvaluation, LargeDepthSeries, SeriesEvaluation
 
-__all__ = ["DeepAttention", "LinkModel", "Mixing", "Reparametrisation", "SMIModel",
-           "index_symbols", "register_link"]
+__all__ = ["DeepAttention", "ExactEvaluation", "LargeDepthSeries", "LinkModel", "Mixing",
+           "Reparametrisation", "SMIModel", "SeriesEvaluation", "index_symbols", "register_link"]
