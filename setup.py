@@ -19,5 +19,6 @@ class ParallelBuildExt(build_ext):
 
 extensions = [Extension(f"generated.{p.stem}", [str(p)], **OPENMP)
               for p in sorted(Path("generated").glob("*.pyx"))]
+extensions.append(Extension("smi_core._quadrature", ["smi_core/_quadrature.pyx"], **OPENMP))
 setup(ext_modules=cythonize(extensions, language_level=3, nthreads=2, quiet=True),
       cmdclass={"build_ext": ParallelBuildExt})

@@ -14,7 +14,7 @@ import sympy as sp
 
 from .attention import AttentionSpec, forward_program, mixing_program
 from .program import Program, jacobian
-from .reparam import reparam_program
+from .reparam import channel_node_program, reparam_program
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ def _with_jacobian(spec):
 def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[str, KernelSpec]:
     """Kernels of a deep-attention model: ``forward`` (y), ``jacobian`` (y and ∂y/∂Z, when the
     link is differentiable), ``mixing`` (Φ⁽ᴸ⁻¹⁾, log|det Φ⁽ᴸ⁻¹⁾|, L ≥ 2) and ``reparam``
-    (tied softmax r = 1)."""
+    (tied softmax r = 1), and for the route-1 channel ``node`` ([h_L; log|det Φ|] from
+    (u_L, h_{<L})) and ``node_jacobian`` (its Jacobian in h_{<L}), L ≥ 2."""
     module = module or f"attention_L{spec.layers}"
     kernels = {"forward": KernelSpec(spec.key + "_forward", module, lambda: forward_program(spec))}
     if spec.differentiable:
@@ -43,8 +44,13 @@ def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[st
     if spec.layers >= 2 and spec.architecture != "seq2seq":
         kernels["mixing"] = KernelSpec(spec.key + "_mixing", module, lambda: mixing_program(spec))
     if spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1:
-        kernels["reparam"] = KernelSpec(spec.key + "_reparam", "reparam" if module.startswith("attention_L")
-                                        else module, lambda: reparam_program(spec))
+        channel = "reparam" if module.startswith("attention_L") else module
+        kernels["reparam"] = KernelSpec(spec.key + "_reparam", channel, lambda: reparam_program(spec))
+        if spec.layers >= 2:
+            node = lambda: channel_node_program(spec)
+            kernels["node"] = KernelSpec(spec.key + "_node", channel, node)
+            kernels["node_jacobian"] = KernelSpec(spec.key + "_node_jacobian", channel,
+                                                  lambda: jacobian(node(), of="hl", wrt="z", name="dhl"))
     return kernels
 
 

@@ -53,22 +53,45 @@ def last_layer_vector(prog: Program, y: sp.Matrix) -> tuple[list, sp.Matrix]:
     return u, resid
 
 
-def reparam_program(spec: AttentionSpec) -> Program:
-    """(y, h_{<L}) → u_L, h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹u_L, log|det Φ⁽ᴸ⁻¹⁾|, residuals (the + sign)."""
+def last_layer_index(prog: Program, spec: AttentionSpec, hprev: sp.Matrix, u: sp.Matrix):
+    """h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L (adjugate over determinant) and log|det Φ⁽ᴸ⁻¹⁾|."""
+    Phi = mixing(prog, spec, hprev, spec.layers - 1)
+    det, logdet = determinant(prog, Phi)
+    inv_det = prog.assign("idet", 1 / det)
+    return prog.assign_matrix("h", Phi.adjugate(method="berkowitz") * u * inv_det), logdet
+
+
+def _check_reparametrisable(spec: AttentionSpec) -> None:
     if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
         raise ValueError("the reparametrisation needs architecture='tied', link='softmax', rank=1")
+
+
+def reparam_program(spec: AttentionSpec) -> Program:
+    """(y, h_{<L}) → u_L, h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹u_L, log|det Φ⁽ᴸ⁻¹⁾|, residuals (the + sign)."""
+    _check_reparametrisable(spec)
     T = spec.tokens
     y = index_symbols(T, T, "y")
     hprev = index_symbols(spec.layers - 1, T)
     prog = Program(spec.key + "_reparam", {"y": y, "z": hprev}, spec.params(),
                    source="derive.reparam.reparam_program")
     u, resid = last_layer_vector(prog, y)
-    Phi = mixing(prog, spec, hprev, spec.layers - 1)
-    det, logdet = determinant(prog, Phi)
-    inv_det = prog.assign("idet", 1 / det)
-    h = prog.assign_matrix("h", Phi.adjugate(method="berkowitz") * sp.Matrix(u) * inv_det)
+    h, logdet = last_layer_index(prog, spec, hprev, sp.Matrix(u))
     prog.outputs["u"] = sp.Matrix(u)
     prog.outputs["h"] = h
     prog.outputs["logdet"] = sp.Matrix([[logdet]])
     prog.outputs["residual"] = sp.Matrix([resid[t, s] for t in range(T) for s in range(T) if s != t])
+    return prog
+
+
+def channel_node_program(spec: AttentionSpec) -> Program:
+    """The route-1 channel integrand at one node x = h_{<L}, given u_L: inputs ``u`` (T) and
+    ``z`` = h_{<L} ((L-1)×T); output ``hl`` = [h_L; log|det Φ⁽ᴸ⁻¹⁾|] (T+1).  The integrand is
+    Σ_± N([x; ±h_L]; ω, V) / |det Φ⁽ᴸ⁻¹⁾(x)|."""
+    _check_reparametrisable(spec)
+    u = index_symbols(spec.tokens, 1, "u")
+    hprev = index_symbols(spec.layers - 1, spec.tokens)
+    prog = Program(spec.key + "_node", {"u": u, "z": hprev}, spec.params(),
+                   source="derive.reparam.channel_node_program")
+    h, logdet = last_layer_index(prog, spec, hprev, u)
+    prog.outputs["hl"] = sp.Matrix(list(h) + [logdet])
     return prog

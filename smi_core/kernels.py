@@ -50,6 +50,14 @@ class Kernel:
         return out
 
 
+    def capsule(self):
+        """The compiled C function (a PyCapsule) for model-independent drivers."""
+        if self._run is None:
+            raise ValueError(f"{self.spec.name}: the {self.backend!r} backend has no C function; "
+                             "use backend='compiled'")
+        return self._run.capsule()
+
+
 def _shape(spec) -> tuple[int, int]:
     entry = pregenerated().get(spec.name)
     if entry is not None:

@@ -6,6 +6,7 @@ readout weights, a link's own parameters) are passed to the kernels at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 
 import numpy as np
 
@@ -38,6 +39,17 @@ class SMIModel:
             self._kernels[kind] = Kernel(self._specs[kind], self.backend,
                                          siblings=tuple(self._specs.values()), threads=self._threads)
         return self._kernels[kind]
+
+    def channel(self, route: str | None = None, noise: float | None = None, **options):
+        """The output channel (spec §4): ``channel.moments(y, omega, V)`` gives log Z_out, g_out
+        and ∂_ω g_out.  ``noise`` = Δ > 0 selects the noisy route; options: ``nodes`` (per
+        dimension), ``tol``, ``error_estimate``, ``threads`` (see smi_core.channels)."""
+        from .channels import make_channel
+        return make_channel(self, route=route, noise=noise, **options)
+
+    def symmetries(self) -> np.ndarray:
+        """Row sign patterns (S, R) that leave g unchanged; used to start the mode search."""
+        return np.array([np.ones(self.indices), -np.ones(self.indices)])
 
     def _indices(self, Z, name="Z"):
         return validate.batch(name, Z, (self.indices, self.tokens))
@@ -84,6 +96,11 @@ class DeepAttention(SMIModel):
         s = self.spec
         return (f"DeepAttention(layers={s.layers}, tokens={s.tokens}, rank={s.rank}, skip={self.skip}, "
                 f"beta={self.beta}, architecture={s.architecture!r}, link={s.link!r})")
+
+    def symmetries(self) -> np.ndarray:
+        """The model is even in every layer: all 2^L sign patterns of the layers' rows."""
+        width = self.spec.rows_per_layer
+        return np.array([np.repeat(p, width) for p in product((1.0, -1.0), repeat=self.layers)])
 
     def mixing(self, H) -> "Mixing":
         """Φ⁽ᴸ⁻¹⁾ (n, T, T) and log|det Φ⁽ᴸ⁻¹⁾| (n,) from the earlier layers' indices h_{<L}:

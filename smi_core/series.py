@@ -43,7 +43,7 @@ from derive.registry import attention_kernels
 from derive.series import SERIES_LINKS, large_depth_series
 
 from . import validate
-from .kernels import pregenerated
+from .kernels import first_bad_row, pregenerated
 from .models import DeepAttention
 
 SERIES_BACKENDS = ("auto", "compiled", "twin")
@@ -118,7 +118,7 @@ class LargeDepthSeries:
         if self._twin is None:
             self._twin = series_twin(self.series.program)
         out = self._twin(Z.reshape(len(Z), -1), [self.beta, eps])
-        bad = next((i for i in range(len(Z)) if not all(np.isfinite(v[i]).all() for v in out.values())), None)
+        bad = first_bad_row(np.concatenate([v.reshape(len(Z), -1) for v in out.values()], axis=1))
         if bad is not None:
             raise ValueError(f"the series is not finite at sample {bad} of Z")
         return out

@@ -29,12 +29,13 @@ def positive(name: str, value: float, allow_zero: bool = False) -> float:
 
 
 def softmax_output(name: str, y: np.ndarray, tol: float = 1e-9) -> None:
-    """y (n, T, T) must be row-stochastic with entries strictly inside (0, 1)."""
-    inside = (y > 0) & (y < 1)
+    """y (n, T, T) must be row-stochastic with entries in (0, 1].  An entry of exactly 1.0 is
+    accepted as the float64 rounding of 1 - tiny (the row's other entries, > 0, still carry the
+    log-ratios); an entry ≤ 0 carries no pre-image and is rejected."""
+    inside = (y > 0) & (y <= 1)
     if not inside.all():
         row = int(np.argmax(~inside.reshape(len(y), -1).all(axis=1)))
-        raise ValueError(f"{name} must have entries strictly inside (0, 1) (softmax range); "
-                         f"sample {row} does not")
+        raise ValueError(f"{name} must have entries inside (0, 1) (softmax range); sample {row} does not")
     err = np.abs(y.sum(axis=2) - 1).max(axis=1)
     if (err > tol).any():
         row = int(np.argmax(err > tol))

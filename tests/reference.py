@@ -6,22 +6,24 @@ Written straight from spec/SMI.md §2, independently of derive/, codegen/ and sm
     y = σ_β(u_L u_Lᵀ),   σ_β(M) = row-wise softmax of β·M.
 
 Also the other architectures of §2 (untied keys/queries, multi-head with readout weights,
-sequence-to-sequence output Φ⁽ᴸ⁾) and last-layer links (softmax, hardmax, linear); Φ⁽ᴸ⁻¹⁾ and
-log|det Φ⁽ᴸ⁻¹⁾|; and the Jacobian ∂y/∂Z by central finite differences (step 1e-50, evaluated at
-150 digits, so the error is ≈ 1e-100 absolute: see FD_DPS).
+sequence-to-sequence output Φ⁽ᴸ⁾) and last-layer links (softmax, hardmax, linear); Φ⁽ᴸ⁻¹⁾,
+log|det Φ⁽ᴸ⁻¹⁾| and the condition number of that determinant; and the Jacobian ∂y/∂Z by central
+finite differences (relative step 1e-50 evaluated at 150 digits or more, so its error is
+≈ 1e-100 absolute at unit scale: see FD_DPS and jacobian_mp).
 
 Conventions that the spec leaves to the API (documented in derive/attention.py and followed here):
 row blocks of H layer by layer; within an untied layer the r key rows k_ℓ come first, then the r
 query rows q_ℓ, and the logits are M = (Φ q_ℓᵀ)(Φ k_ℓᵀ)ᵀ (row t = query token t); within a
-multi-head layer head k owns rows k·r … (k+1)·r - 1 and A_ℓ = Σ_k a_ℓk σ_β(u_ℓk u_ℓkᵀ); hardmax is
-the one-hot row argmax (first maximum on ties).
+multi-head layer head k owns rows k·r … (k+1)·r - 1 and A_ℓ = Σ_k a_ℓk σ_β(u_ℓk u_ℓkᵀ), and the
+output is Σ_k a_Lk s(u_Lk u_Lkᵀ); hardmax is the one-hot row argmax (first maximum on ties).
 
 Inputs are float64 arrays, converted exactly to 50-digit numbers; results come back as float64
-arrays (correctly rounded, so the conversion adds at most 1.1e-16 relative error), or as mpmath
-numbers from the ``*_mp`` functions.  A private mpmath context is used, so the global
-``mpmath.mp.dps`` is left alone.
+arrays (correctly rounded, so the conversion adds at most 1.1e-16 relative error).  A private
+mpmath context is used, so the global ``mpmath.mp.dps`` is left alone.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mpmath
 import numpy as np
@@ -31,15 +33,15 @@ mp.dps = 50
 
 # Finite differences: step 1e-50 at 150 digits.  Truncation error O(step²) ≈ 1e-100 (times the
 # third derivative), cancellation error ≈ 1e-150 / 1e-50 = 1e-100, both absolute.  (At 50 digits
-# with step 1e-20 the cancellation error would be 1e-30 absolute, larger than the whole Jacobian
-# of a saturated softmax.)
+# with a step of 1e-20 the cancellation error would be 1e-30 absolute: larger than the whole
+# Jacobian of a saturated softmax, whose entries go down to e^-100 ≈ 1e-44 next to entries ≈ 1.)
 FD_DPS = 150
-FD_STEP = mp.mpf("1e-50")
+FD_STEP = "1e-50"
 
 
 # -- small dense linear algebra on lists of mpf -------------------------------------------------
 
-def to_mp(A) -> list:
+def to_mp(A):
     """A float64 array (any shape) as nested lists of exact mpf values."""
     A = np.asarray(A, dtype=np.float64)
     if A.ndim == 0:
@@ -56,6 +58,10 @@ def to_float(A) -> np.ndarray:
 
 def eye(T: int) -> list:
     return [[mp.one if i == j else mp.zero for j in range(T)] for i in range(T)]
+
+
+def zeros(T: int) -> list:
+    return [[mp.zero] * T for _ in range(T)]
 
 
 def matmul(A: list, B: list) -> list:
@@ -76,9 +82,11 @@ def scale(s, A: list) -> list:
     return [[s * a for a in row] for row in A]
 
 
+# -- links ---------------------------------------------------------------------------------------
+
 def softmax_rows(M: list, beta) -> list:
-    """σ_β(M): row t ↦ exp(β M_ts) / Σ_s' exp(β M_ts') (no overflow at 50 digits: mpmath
-    exponents are unbounded)."""
+    """σ_β(M): row t ↦ exp(β M_ts) / Σ_s' exp(β M_ts').  No shift is needed: mpmath exponents
+    are unbounded, so nothing overflows."""
     out = []
     for row in M:
         e = [mp.exp(beta * x) for x in row]
@@ -105,89 +113,207 @@ LINKS = {"softmax": softmax_rows, "hardmax": hardmax_rows, "linear": linear_rows
 
 # -- the model ---------------------------------------------------------------------------------
 
-def rows_per_layer(architecture: str, rank: int, heads: int = 1) -> int:
-    return {"untied": 2 * rank, "multihead": heads * rank}.get(architecture, rank)
+@dataclass(frozen=True)
+class Model:
+    """A deep-attention model of spec §2: structure (layers, tokens, rank, architecture, link,
+    heads) and runtime parameters (skip c, inverse temperature β, multi-head readout a_ℓk)."""
 
+    layers: int
+    tokens: int
+    rank: int = 1
+    skip: float = 1.0
+    beta: float = 1.0
+    architecture: str = "tied"
+    link: str = "softmax"
+    heads: int = 1
+    readout: tuple | None = None      # layers × heads (multihead); default 1/heads
 
-def _logits(Phi: list, rows: list, rank: int, architecture: str) -> list:
-    """M = u uᵀ with u = Φ hᵀ (tied), or (Φ qᵀ)(Φ kᵀ)ᵀ with rows = [k; q] (untied)."""
-    if architecture == "untied":
-        uk = matmul(Phi, transpose(rows[:rank]))
-        uq = matmul(Phi, transpose(rows[rank:]))
-        return matmul(uq, transpose(uk))
-    u = matmul(Phi, transpose(rows))
-    return matmul(u, transpose(u))
+    @property
+    def width(self) -> int:
+        """Index rows per layer."""
+        return {"untied": 2 * self.rank, "multihead": self.heads * self.rank}.get(self.architecture, self.rank)
 
+    @property
+    def indices(self) -> int:
+        return self.layers * self.width
 
-def _attention(Phi, Z, layer, spec, link) -> list:
-    """A_ℓ (or the output y for the last layer): the link of this layer's logits, summed over
-    heads with the readout weights when multi-head."""
-    L, T, r, arch, heads, readout, beta = spec
-    width = rows_per_layer(arch, r, heads)
-    rows = Z[layer * width:(layer + 1) * width]
-    f = LINKS[link]
-    if arch == "multihead":
-        total = [[mp.zero] * T for _ in range(T)]
+    def _readout(self, layer: int, head: int):
+        if self.readout is None:
+            return mp.mpf(1.0 / self.heads)      # the float the API passes
+        return mp.mpf(float(self.readout[layer][head]))
+
+    # the recursion, one sample, mpf lists ------------------------------------------------------
+
+    def layer_logits(self, Phi: list, Z: list, layer: int) -> list:
+        """The logit matrices M of each head of ``layer`` (one unless multi-head), given
+        Φ⁽ˡᵃʸᵉʳ⁻¹⁾: u uᵀ with u = Φ hᵀ (tied), or (Φ qᵀ)(Φ kᵀ)ᵀ with the rows [k; q] (untied)."""
+        r = self.rank
+        rows = Z[layer * self.width:(layer + 1) * self.width]
+        if self.architecture == "untied":
+            uk = matmul(Phi, transpose(rows[:r]))
+            uq = matmul(Phi, transpose(rows[r:]))
+            return [matmul(uq, transpose(uk))]
+        heads = self.heads if self.architecture == "multihead" else 1
+        out = []
         for k in range(heads):
-            M = _logits(Phi, rows[k * r:(k + 1) * r], r, "tied")
-            total = add(total, scale(readout[layer][k], f(M, beta)))
+            u = matmul(Phi, transpose(rows[k * r:(k + 1) * r]))
+            out.append(matmul(u, transpose(u)))
+        return out
+
+    def attention(self, Phi: list, Z: list, layer: int, link: str = "softmax") -> list:
+        """A_ℓ (or the output, for the last layer): the link of this layer's logits, combined
+        over heads with the readout weights when multi-head."""
+        f, beta = LINKS[link], mp.mpf(self.beta)
+        mats = [f(M, beta) for M in self.layer_logits(Phi, Z, layer)]
+        if self.architecture != "multihead":
+            return mats[0]
+        total = zeros(self.tokens)
+        for k, A in enumerate(mats):
+            total = add(total, scale(self._readout(layer, k), A))
         return total
-    return f(_logits(Phi, rows, r, arch), beta)
 
+    def mixing_mp(self, Z: list, upto: int | None = None) -> list:
+        """Φ⁽ᵘᵖᵗᵒ⁾ (default Φ⁽ᴸ⁻¹⁾) from the index rows Z: only the first ``upto`` layers' rows
+        are read."""
+        upto = self.layers - 1 if upto is None else upto
+        assert len(Z) >= upto * self.width, (len(Z), upto, self.width)
+        T, c = self.tokens, mp.mpf(self.skip)
+        Phi = eye(T)
+        for layer in range(upto):
+            A = self.attention(Phi, Z, layer, "softmax")
+            Phi = matmul(add(scale(c, eye(T)), A), Phi)
+        return Phi
 
-def _spec(Z, layers, rank, beta, architecture, heads, readout):
-    T = len(Z[0])
-    if architecture == "multihead":
-        readout = ([[mp.one / heads] * heads for _ in range(layers)] if readout is None
-                   else to_mp(readout))
-    return (layers, T, rank, architecture, heads, readout, mp.mpf(beta))
+    def forward_mp(self, Z: list) -> list:
+        """y = g(Z) (T×T) for one sample Z (R×T)."""
+        assert len(Z) == self.indices and len(Z[0]) == self.tokens, (len(Z), self.indices)
+        if self.architecture == "seq2seq":
+            return self.mixing_mp(Z, upto=self.layers)
+        Phi = self.mixing_mp(Z)
+        return self.attention(Phi, Z, self.layers - 1, self.link)
 
+    def logits_mp(self, Z: list) -> list:
+        """β·M of every layer and head, flattened to one list."""
+        beta, out = mp.mpf(self.beta), []
+        for layer in range(self.layers):
+            Phi = self.mixing_mp(Z, upto=layer)
+            for M in self.layer_logits(Phi, Z, layer):
+                out += [beta * x for row in M for x in row]
+        return out
 
-def mixing_mp(Z: list, layers: int, rank: int = 1, skip=1.0, beta=1.0, architecture="tied",
-              heads: int = 1, readout=None, upto: int | None = None) -> list:
-    """Φ⁽ᵘᵖᵗᵒ⁾ (default Φ⁽ᴸ⁻¹⁾) from the index rows Z (mpf lists): the first ``upto`` layers'
-    rows are used, any further rows are ignored."""
-    upto = layers - 1 if upto is None else upto
-    assert len(Z) >= upto * rows_per_layer(architecture, rank, heads)
-    spec = _spec(Z, layers, rank, beta, architecture, heads, readout)
-    T = spec[1]
-    c = mp.mpf(skip)
-    Phi = eye(T)
-    for layer in range(upto):
-        A = _attention(Phi, Z, layer, spec, "softmax")
-        Phi = matmul(add(scale(c, eye(T)), A), Phi)
-    return Phi
+    def last_layer_vector_mp(self, Z: list) -> list:
+        """u_L = Φ⁽ᴸ⁻¹⁾ h_Lᵀ (tied, rank 1)."""
+        assert self.architecture == "tied" and self.rank == 1
+        Phi = self.mixing_mp(Z)
+        return [row[0] for row in matmul(Phi, transpose(Z[self.layers - 1:self.layers]))]
 
+    # float64 front end, batched (n, ...) -------------------------------------------------------
 
-def forward_mp(Z: list, layers: int, rank: int = 1, skip=1.0, beta=1.0, architecture="tied",
-               link="softmax", heads: int = 1, readout=None) -> list:
-    """y = g(Z) (T×T mpf lists) for one sample Z (R×T mpf lists)."""
-    assert len(Z) == layers * rows_per_layer(architecture, rank, heads), (len(Z), layers)
-    spec = _spec(Z, layers, rank, beta, architecture, heads, readout)
-    if architecture == "seq2seq":
-        return mixing_mp(Z, layers, rank, skip, beta, "tied", upto=layers)
-    Phi = mixing_mp(Z, layers, rank, skip, beta, architecture, heads, readout)
-    return _attention(Phi, Z, layers - 1, spec, link)
+    def forward(self, Z) -> np.ndarray:
+        """y (n, T, T) for Z (n, R, T)."""
+        return np.stack([to_float(self.forward_mp(to_mp(z))) for z in np.asarray(Z)])
 
+    def forward_jacobian(self, Z) -> np.ndarray:
+        """∂y/∂Z (n, T·T, R·T) by finite differences (rows y[t, s] ↦ t·T + s, columns
+        Z[a, t] ↦ a·T + t)."""
+        return np.stack([to_float(jacobian_mp(self.forward_mp, to_mp(z))) for z in np.asarray(Z)])
 
-def last_layer_vector_mp(Z: list, layers: int, skip=1.0, beta=1.0) -> list:
-    """u_L = Φ⁽ᴸ⁻¹⁾ h_Lᵀ (tied, rank 1) as a list of T mpf."""
-    Phi = mixing_mp(Z, layers, 1, skip, beta)
-    return [row[0] for row in matmul(Phi, transpose(Z[layers - 1:layers]))]
+    def jacobian_sensitivity(self, Z, delta: float = 1e-13, draws: int = 2, seed: int = 0) -> np.ndarray:
+        """S (n,): how much the exact Jacobian moves under relative input perturbations of size
+        ``delta``, max over ``draws`` random sign patterns ξ of max|J(Z∘(1 + δξ)) - J(Z)|.
+
+        Any float64 evaluation of ∂y/∂Z carries rounding errors that act like such perturbations,
+        so an error below S reflects the conditioning of the Jacobian at Z (e.g. when u_L is
+        nearly constant, so that y depends on Z only through small differences of large numbers),
+        not a defect of the algorithm."""
+        rng = np.random.default_rng(seed)
+        out = []
+        for z in np.asarray(Z, dtype=np.float64):
+            J = jacobian_mp(self.forward_mp, to_mp(z))
+            worst = mp.zero
+            for _ in range(draws):
+                xi = rng.choice([-1.0, 1.0], size=z.shape)
+                zp = [[x * (1 + mp.mpf(delta) * mp.mpf(e)) for x, e in zip(row, erow)]
+                      for row, erow in zip(to_mp(z), xi)]
+                Jp = jacobian_mp(self.forward_mp, zp)
+                worst = max(worst, max(abs(a - b) for ra, rb in zip(J, Jp) for a, b in zip(ra, rb)))
+            out.append(float(worst))
+        return np.array(out)
+
+    def mixing(self, Z) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a batch of full or earlier-layer index rows: Φ⁽ᴸ⁻¹⁾ (n, T, T), log|det Φ⁽ᴸ⁻¹⁾|
+        (n,) (-inf when Φ is exactly singular) and the condition number of the determinant
+
+            κ = Σ_ij |Φ_ij · cof_ij(Φ)| / |det Φ|   (≥ 1; inf when singular),
+
+        the relative change of det Φ per unit relative change of the entries of Φ: log|det|
+        computed from a Φ whose entries carry relative errors δ is uncertain by ≈ κ·δ."""
+        phis, logdets, kappas = [], [], []
+        for z in np.asarray(Z):
+            Phi = mp.matrix(self.mixing_mp(to_mp(z)))
+            det = mp.det(Phi)
+            phis.append(to_float(Phi.tolist()))
+            if det == 0:
+                logdets.append(-np.inf)
+                kappas.append(np.inf)
+                continue
+            inv = mp.inverse(Phi)                      # cof_ij = det · (Φ⁻¹)_ji
+            T = Phi.rows
+            kappa = mp.fsum(abs(Phi[i, j] * det * inv[j, i]) for i in range(T) for j in range(T)) / abs(det)
+            logdets.append(float(mp.log(abs(det))))
+            kappas.append(float(kappa))
+        return np.stack(phis), np.array(logdets), np.array(kappas)
+
+    def last_layer_vector(self, Z) -> np.ndarray:
+        """u_L (n, T) for a batch (n, L, T) of tied rank-1 index rows."""
+        return np.stack([to_float(self.last_layer_vector_mp(to_mp(z))) for z in np.asarray(Z)])
+
+    def logit_sizes(self, Z) -> np.ndarray:
+        """max |β·logit| of each sample (n,)."""
+        return np.array([float(max(abs(x) for x in self.logits_mp(to_mp(z)))) for z in np.asarray(Z)])
+
+    def logit_gradient_scale(self, Z) -> np.ndarray:
+        """G (n,): the largest |∂(β·M_ℓ)/∂Z| over layers, heads, logits and inputs (finite
+        differences): the scale of the logit derivatives that the softmax Jacobians multiply."""
+        return np.array([float(max(abs(x) for row in jacobian_mp(self.logits_mp, to_mp(z)) for x in row))
+                         for z in np.asarray(Z)])
+
+    def scale_layers(self, raw, sizes) -> np.ndarray:
+        """Index rows (R, T) with each layer's largest |β·logit| set to ``sizes[ℓ]``.
+
+        Layer ℓ's logits are quadratic in its own rows and Φ⁽ℓ⁻¹⁾ does not depend on them, so
+        scaling the raw block of layer ℓ by √(size / max|β·M_ℓ|) hits the target exactly (up to
+        float64 rounding); this is done layer by layer.  The result is just an input: the
+        reference then evaluates the model at it exactly.  A block of zeros stays zero."""
+        Z = np.array(raw, dtype=np.float64, copy=True)
+        beta = mp.mpf(self.beta)
+        for layer in range(self.layers):
+            Zm = to_mp(Z)
+            Phi = self.mixing_mp(Zm, upto=layer)
+            big = max(abs(beta * x) for M in self.layer_logits(Phi, Zm, layer) for row in M for x in row)
+            if big > 0:
+                Z[layer * self.width:(layer + 1) * self.width] *= float(mp.sqrt(mp.mpf(float(sizes[layer])) / big))
+        return Z
 
 
 def jacobian_mp(f, Z: list, step=FD_STEP, dps=FD_DPS) -> list:
     """∂f/∂Z by central differences: rows = entries of f(Z) flattened row-major, columns =
-    Z[a][t] ↦ a·T + t.  The step is relative (step · max(1, |Z[a][t]|)), and f is evaluated
-    at ``dps`` digits so that the cancellation error ≈ 10^-dps / step is an ABSOLUTE error far
-    below the smallest derivatives of interest (a saturated softmax has entries and
-    derivatives down to e^-100 ≈ 1e-44 next to entries ≈ 1)."""
+    Z[a][t] ↦ a·T + t.
+
+    The step is step · max(|Z[a][t]|, s) with s = max|Z| the scale of the sample, and f is
+    evaluated at ``dps`` digits (plus 2 digits per decade that s lies below 1), so that the
+    cancellation error ≈ 10^-digits / step stays an absolute error far below the smallest
+    derivatives of interest: a saturated softmax has derivatives down to ≈ 1e-44 next to
+    entries ≈ 1, and inputs of scale s ≪ 1 give derivatives of order β·s."""
     T = len(Z[0])
+    s = max(abs(x) for row in Z for x in row)
+    extra = 0 if s == 0 or s >= 1 else 2 * int(mp.ceil(-mp.log10(s)))
     cols = []
-    with mp.workdps(dps):
+    with mp.workdps(dps + extra):
+        step = mp.mpf(step)
         for a in range(len(Z)):
             for t in range(T):
-                h = step * max(mp.one, abs(Z[a][t]))
+                h = step * max(abs(Z[a][t]), s) if s > 0 else step
                 plus = [list(row) for row in Z]
                 minus = [list(row) for row in Z]
                 plus[a][t] += h
@@ -197,89 +323,5 @@ def jacobian_mp(f, Z: list, step=FD_STEP, dps=FD_DPS) -> list:
     return transpose(cols)
 
 
-def _flat(A):
+def _flat(A) -> list:
     return [x for row in A for x in row] if isinstance(A[0], list) else list(A)
-
-
-# -- float64 front end (batched) ---------------------------------------------------------------
-
-def forward(Z, layers: int, **kw) -> np.ndarray:
-    """y for a batch Z (n, R, T) float64 → (n, T, T) float64."""
-    return np.stack([to_float(forward_mp(to_mp(z), layers, **kw)) for z in np.asarray(Z)])
-
-
-def forward_jacobian(Z, layers: int, **kw) -> np.ndarray:
-    """∂y/∂Z for a batch (n, R, T) → (n, T·T, R·T), finite differences at 50 digits."""
-    f = lambda z: forward_mp(z, layers, **kw)
-    return np.stack([to_float(jacobian_mp(f, to_mp(z))) for z in np.asarray(Z)])
-
-
-def mixing(Z, layers: int, **kw) -> tuple[np.ndarray, np.ndarray]:
-    """(Φ⁽ᴸ⁻¹⁾ (n, T, T), log|det Φ⁽ᴸ⁻¹⁾| (n,)) for a batch of full or earlier-layer index rows."""
-    phis, logdets = [], []
-    for z in np.asarray(Z):
-        Phi = mixing_mp(to_mp(z), layers, **kw)
-        phis.append(to_float(Phi))
-        logdets.append(float(mp.log(abs(mp.det(mp.matrix(Phi))))))
-    return np.stack(phis), np.array(logdets)
-
-
-def last_layer_vector(Z, layers: int, skip=1.0, beta=1.0) -> np.ndarray:
-    """u_L (n, T) for a batch of tied rank-1 index rows (n, L, T)."""
-    return np.stack([to_float(last_layer_vector_mp(to_mp(z), layers, skip, beta)) for z in np.asarray(Z)])
-
-
-# -- drawing inputs with a chosen softmax saturation ---------------------------------------------
-
-def scale_layers(raw, layers: int, rank: int, skip: float, beta: float, sizes) -> np.ndarray:
-    """Tied index rows (R, T) with each layer's largest |β·logit| set to ``sizes[ℓ]``.
-
-    Layer ℓ's logits u_ℓ u_ℓᵀ (u_ℓ = Φ⁽ℓ⁻¹⁾ h_ℓᵀ) are quadratic in h_ℓ and Φ⁽ℓ⁻¹⁾ does not
-    depend on h_ℓ, so scaling the raw block h_ℓ by √(size / max|β u_ℓ u_ℓᵀ|) hits the target
-    exactly; this is done layer by layer in float64 (the result is just an input: the reference
-    then evaluates the model at it exactly).  A raw block of zeros stays zero.
-    """
-    Z = np.array(raw, dtype=np.float64, copy=True)
-    T = Z.shape[1]
-    Phi = np.eye(T)
-    for layer in range(layers):
-        h = Z[layer * rank:(layer + 1) * rank]
-        u = Phi @ h.T
-        M = u @ u.T
-        big = beta * np.abs(M).max()
-        if big > 0:
-            Z[layer * rank:(layer + 1) * rank] *= np.sqrt(sizes[layer] / big)
-        u = Phi @ Z[layer * rank:(layer + 1) * rank].T
-        M = beta * (u @ u.T)
-        e = np.exp(M - M.max(axis=1, keepdims=True))
-        Phi = (skip * np.eye(T) + e / e.sum(axis=1, keepdims=True)) @ Phi
-    return Z
-
-
-def logit_sizes(Z, layers: int, rank: int, skip: float, beta: float) -> list[float]:
-    """max |β·logit| of each layer (50-digit evaluation), for reporting the drawn saturation."""
-    Zm = to_mp(Z)
-    sizes = []
-    for layer in range(layers):
-        Phi = mixing_mp(Zm, layers, rank, skip, beta, upto=layer)
-        M = _logits(Phi, Zm[layer * rank:(layer + 1) * rank], rank, "tied")
-        sizes.append(float(max(abs(mp.mpf(beta) * x) for row in M for x in row)))
-    return sizes
-
-
-def logits_mp(Z: list, layers: int, rank: int = 1, skip=1.0, beta=1.0) -> list:
-    """β·M_ℓ = β u_ℓ u_ℓᵀ of every layer (tied), stacked: a list of L T×T mpf lists."""
-    out = []
-    for layer in range(layers):
-        Phi = mixing_mp(Z, layers, rank, skip, beta, upto=layer)
-        M = _logits(Phi, Z[layer * rank:(layer + 1) * rank], rank, "tied")
-        out.append(scale(mp.mpf(beta), M))
-    return out
-
-
-def logit_gradient_scale(Z, layers: int, rank: int = 1, skip=1.0, beta=1.0) -> np.ndarray:
-    """G (n,): max over layers, entries and inputs of |∂(β·M_ℓ)/∂Z| (finite differences at 50
-    digits): the scale of the logit derivatives that the softmax Jacobians multiply."""
-    f = lambda z: [x for M in logits_mp(z, layers, rank, skip, beta) for row in M for x in row]
-    return np.array([float(max(abs(x) for row in jacobian_mp(f, to_mp(z)) for x in row))
-                     for z in np.asarray(Z)])

@@ -2,7 +2,6 @@
 deep model approaching the series at the predicted rate."""
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -184,7 +183,7 @@ def test_exact_model_approaches_the_series(L, T, r, link, rng):
     beta = 1.0
     Z = rng.standard_normal((N, L * r, T))
     S = LargeDepthSeries(L, T, r, beta=beta, link=link)
-    eps = 1e-3
+    eps = 5e-4
     e1, ev1 = _errors(S, Z, eps)
     e2, ev2 = _errors(S, Z, eps / 2)
 
@@ -195,7 +194,8 @@ def test_exact_model_approaches_the_series(L, T, r, link, rng):
         np.testing.assert_allclose(e1["phi"] / ev1.phi_bound, 1, atol=0.02)
         np.testing.assert_allclose(e2["phi"] / ev2.phi_bound, 1, atol=0.01)
         np.testing.assert_allclose(e1["phi"] / e2["phi"], 4, rtol=0.03)
-        np.testing.assert_allclose(e1["phi3"] / e2["phi3"], 8, rtol=0.1)   # Φ₂ itself is right
+        third = e1["phi3"] / e2["phi3"]                    # Φ₂ itself is right: remainder O(ε³)
+        assert abs(np.median(third) / 8 - 1) < 0.05 and third.min() > 5
 
     # logits: error / ε² → ‖M₂‖ (L = 2: M is quadratic in ε, the ε² term is the whole error)
     np.testing.assert_allclose(e1["logits"] / ev1.logit_bound, 1, atol=0.02)
@@ -208,9 +208,22 @@ def test_exact_model_approaches_the_series(L, T, r, link, rng):
     np.testing.assert_allclose(e1["y"] / e2["y"], 4, rtol=0.03)
     assert (e2["y"] <= ev2.y_bound * (1 + 10 * eps)).all()
     assert (ev2.y_error_estimate <= ev2.y_bound * (1 + 1e-12)).all()
-    floor = 1e-13
-    ok = e2["y3"] > floor
-    np.testing.assert_allclose(e1["y3"][ok] / e2["y3"][ok], 8, rtol=0.15)
+    ok = e2["y3"] > 1e-13            # (L = 2, linear: y is exactly quadratic in ε)
+    if ok.any():
+        third = e1["y3"][ok] / e2["y3"][ok]
+        assert abs(np.median(third) / 8 - 1) < 0.05 and third.min() > 5
+
+
+def test_four_layers_with_the_twin(rng):
+    """L = 4 (no committed kernels: ``backend="auto"`` uses the lambdify twin), β = 1.5."""
+    S = LargeDepthSeries(4, 2, 1, beta=1.5)
+    Z = rng.standard_normal((8, 4, 2))
+    e1, ev1 = _errors(S, Z, 2.5e-4)
+    e2, ev2 = _errors(S, Z, 1.25e-4)
+    np.testing.assert_allclose(e2["phi"] / ev2.phi_bound, 1, atol=0.01)
+    np.testing.assert_allclose(e1["phi"] / e2["phi"], 4, rtol=0.03)
+    np.testing.assert_allclose(e2["y"] / ev2.y_error_estimate, 1, atol=0.01)
+    np.testing.assert_allclose(e1["y"] / e2["y"], 4, rtol=0.03)
 
 
 def test_softmax_bound_is_honest_at_finite_eps(rng):

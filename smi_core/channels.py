@@ -1,0 +1,329 @@
+"""Output channels: log Z_out, g_out and ∂_ω g_out from one pass over quadrature nodes (spec §4).
+
+For Z with independent columns Z[:, t] ~ N(ω[:, t], V) and the posterior ∝ N(Z; ω, V) P(y|Z):
+
+    g_out = V⁻¹ (E[Z|y] - ω),   ∂g_out[(a,t),(b,s)] = (V⁻¹ Cov(Z_t, Z_s|y) V⁻¹)_ab - V⁻¹_ab δ_ts
+
+Routes:
+- ``"reparam"`` (noiseless softmax deep attention, tied, r = 1): the integral over the earlier
+  layers x = h_{<L} of Σ_± N([x; ±h_L(x)]; ω, V) / |det Φ⁽ᴸ⁻¹⁾(x)|; L = 1 has no integral (two
+  points ±u_L).  ``log_z`` omits the factor of u_L ↦ y, which depends on y only.
+- ``"noisy"`` (any differentiable link, P(y|Z) = N(y; g(Z), Δ I)): the integral over all R·T
+  indices; ``log_z`` is exact.
+
+Nodes sit on the posterior: every mode (one per sign of u_L and reflection of an earlier layer,
+or per symmetry of the link) is found by Gauss–Newton, the integral is split by a partition of
+unity over the modes' Laplace Gaussians, and each piece is integrated by a Gauss–Hermite tensor
+rule centred and scaled on its mode (d ≤ 4), or by randomised QMC (d > 4).  The error estimate
+is the difference to a coarser rule; with ``tol`` the node count grows until it is met.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import numpy as np
+
+from . import _quadrature, validate
+from .kernels import first_bad_row
+from .quadrature import gauss_hermite, gauss_newton, partition, sobol_normal
+
+ROUTES = ("reparam", "noisy")
+DEFAULT_NODES = {1: 40, 2: 14, 3: 9, 4: 7}
+
+
+@dataclass
+class Moments:
+    """Per sample: ``log_z`` (n,), ``g_out`` (n, R, T), ``dg_out`` (n, RT, RT) flattened a*T + t,
+    ``error`` (n,): estimated max abs error of (g_out, dg_out) relative to their largest entry."""
+    log_z: np.ndarray
+    g_out: np.ndarray
+    dg_out: np.ndarray
+    error: np.ndarray
+
+
+class Channel:
+    """``channel.moments(y, omega, V)``; build it with ``model.channel(**options)``."""
+
+    route: str
+
+    def __init__(self, model, nodes: int | None = None, tol: float | None = None,
+                 error_estimate: bool = True, qmc_points: int = 4096, seed: int = 0,
+                 inflate: float = 1.0, threads: int | None = None):
+        self.model = model
+        self.R, self.T = model.indices, model.tokens
+        self.nodes, self.tol, self.error_estimate = nodes, tol, error_estimate or tol is not None
+        self.qmc_points, self.seed, self.inflate = qmc_points, seed, inflate
+        self.threads = threads or 0
+        if nodes is not None and (not isinstance(nodes, (int, np.integer)) or nodes < 2):
+            raise ValueError(f"nodes must be an integer ≥ 2, got {nodes!r}")
+        if tol is not None:
+            validate.positive("tol", tol)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _inputs(self, y, omega, V):
+        omega, _ = validate.batch("omega", omega, (self.R, self.T))
+        n = len(omega)
+        V = np.asarray(V, dtype=np.float64)
+        if V.shape == (self.R, self.R):
+            V = np.broadcast_to(V, (n, self.R, self.R))
+        if V.shape != (n, self.R, self.R) or not np.isfinite(V).all():
+            raise ValueError(f"V must be a finite ({self.R}, {self.R}) matrix or ({n}, {self.R}, {self.R}) "
+                             f"array, got shape {V.shape}")
+        asym = np.abs(V - np.swapaxes(V, 1, 2)).max(axis=(1, 2)) > 1e-12 * np.abs(V).max(axis=(1, 2))
+        eig = np.linalg.eigvalsh(V)
+        bad = asym | (eig[:, 0] <= 0)
+        if bad.any():
+            raise ValueError(f"V must be symmetric positive definite (sample {int(np.argmax(bad))} is not)")
+        y = self._check_y(y, n)
+        return y, omega, np.ascontiguousarray(V)
+
+    # -- the pass over nodes ---------------------------------------------------------------
+    def moments(self, y, omega, V) -> Moments:
+        y, omega, V = self._inputs(y, omega, V)
+        Vinv = np.linalg.inv(V)
+        Vinv = 0.5 * (Vinv + np.swapaxes(Vinv, 1, 2))
+        logdetV = np.linalg.slogdet(V)[1]
+        data, x0, signs = self._prepare(y, omega, V)
+        n, RT = len(omega), self.R * self.T
+        if x0 is None:
+            log_z, mean, cov = self._points(data, omega, Vinv, logdetV)
+            return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
+        K, d = x0.shape[1], x0.shape[2]
+        rep = lambda a: np.repeat(a, K, axis=0)
+        ev = self._evaluator(rep(data), signs.reshape(-1), rep(omega), rep(Vinv), rep(logdetV))
+        xs, logf, hess = gauss_newton(x0.reshape(n * K, d), ev)
+        centers, hess, logf = xs.reshape(n, K, d), hess.reshape(n, K, d, d), logf.reshape(n, K)
+        logf = np.where(np.isfinite(logf), logf, -np.inf)
+        best = np.argmax(logf, axis=1)
+        centers, hess, A, logh = partition(centers, hess, logf, self._prior(omega, V), self.inflate)
+        ref = self._point(data, centers[np.arange(n), best], signs.reshape(n, K)[np.arange(n), best])
+        args = (data, omega, Vinv, logdetV, centers, A, hess, logh, ref)
+        nodes = self.nodes or DEFAULT_NODES.get(d, 0)
+        fine = self._run(args, nodes, d)
+        error = np.full(n, np.nan)
+        if self.error_estimate:
+            coarse = self._run(args, max(2, nodes - max(2, nodes // 3)), d) if d <= 4 else None
+            error = self._error(fine, coarse, omega, V, Vinv, ref)
+            while self.tol is not None and d <= 4 and (error > self.tol).any() and nodes < 60:
+                redo = np.flatnonzero(error > self.tol)
+                sub = tuple(a[redo] for a in args)
+                nodes += 4
+                better = self._run(sub, nodes, d)
+                prev = tuple(a[redo] for a in fine)
+                error[redo] = self._error(better, prev, omega[redo], V[redo], Vinv[redo], ref[redo])
+                for a, b in zip(fine, better):
+                    a[redo] = b
+        log_z, mean, second = fine
+        mean_abs = ref + mean
+        cov = second - mean[:, :, None] * mean[:, None, :]
+        return self._assemble(omega, V, Vinv, log_z, mean_abs, cov, error)
+
+    def _run(self, args, nodes, d):
+        data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
+        n, RT = len(omega), self.R * self.T
+        if d <= 4:
+            xi, lw = gauss_hermite(nodes, d)
+        else:
+            xi, lw = sobol_normal(self.qmc_points, d, np.random.default_rng(self.seed))
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        _quadrature.integrate(self._route_id, self._node_kernel.capsule(), self.model.params,
+                              np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, logdetV,
+                              np.ascontiguousarray(centers), np.ascontiguousarray(A),
+                              np.ascontiguousarray(hess), np.ascontiguousarray(logh), xi, lw,
+                              np.ascontiguousarray(ref), self.R, self.T, self._n_node, self._delta,
+                              log_z, mean, second, self.threads)
+        return log_z, mean, second
+
+    def _error(self, fine, coarse, omega, V, Vinv, ref):
+        """max |Δ(g_out, dg_out)| / max |(g_out, dg_out)| between two rules (QMC: not estimated)."""
+        if coarse is None:
+            return np.full(len(omega), np.nan)
+        parts = []
+        for log_z, mean, second in (fine, coarse):
+            cov = second - mean[:, :, None] * mean[:, None, :]
+            m = self._assemble(omega, V, Vinv, log_z, ref + mean, cov, None, check=False)
+            parts.append(np.concatenate([m.g_out.reshape(len(omega), -1), m.dg_out.reshape(len(omega), -1)], 1))
+        scale = np.abs(parts[0]).max(axis=1)
+        return np.abs(parts[0] - parts[1]).max(axis=1) / np.where(scale > 0, scale, 1.0)
+
+    def _assemble(self, omega, V, Vinv, log_z, mean, cov, error, check=True) -> Moments:
+        n, R, T = len(omega), self.R, self.T
+        EZ = mean.reshape(n, R, T)
+        g_out = np.einsum("nab,nbt->nat", Vinv, EZ - omega)
+        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(n, R * T, R * T)
+        VI = np.einsum("nab,ts->natbs", V, np.eye(T)).reshape(n, R * T, R * T)
+        dg_out = P @ (cov - VI) @ P
+        dg_out = 0.5 * (dg_out + np.swapaxes(dg_out, 1, 2))
+        if check:
+            bad = first_bad_row(np.concatenate([log_z[:, None], g_out.reshape(n, -1),
+                                                dg_out.reshape(n, -1)], axis=1))
+            if bad is not None:
+                raise FloatingPointError(f"non-finite channel moment at sample {bad} "
+                                         f"({self.route} route)")
+        return Moments(log_z=log_z, g_out=g_out, dg_out=dg_out, error=error)
+
+
+class ReparamChannel(Channel):
+    """Route 1: noiseless softmax deep attention, tied, r = 1 (spec §4 reparametrisation)."""
+
+    route, _route_id, _delta = "reparam", 0, 0.0
+
+    def __init__(self, model, **options):
+        spec = model.spec
+        if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
+            raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
+                             "use noise=Δ > 0 for the noisy route")
+        super().__init__(model, **options)
+        from .models import DeepAttention
+        self._u_model = DeepAttention(1, model.tokens, 1, skip=model.skip, beta=model.beta,
+                                      backend=model.backend)
+        if model.layers >= 2:
+            self._node_kernel = model.kernel("node")
+            self._jac_kernel = model.kernel("node_jacobian")
+            self._n_node = model.tokens + 1
+
+    def _check_y(self, y, n):
+        y, _ = validate.batch("y", y, (self.T, self.T))
+        if len(y) != n:
+            raise ValueError(f"y and omega must have the same number of samples, got {len(y)} and {n}")
+        return y
+
+    def _prepare(self, y, omega, V):
+        u = self._u_model.reparametrise(y).u               # validates y, rejects inconsistent y
+        L, T = self.model.layers, self.T
+        if L == 1:
+            return u, None, None
+        patterns = np.array(list(product((1.0, -1.0), repeat=L)))       # (sign of u_L, reflections)
+        x0 = omega[:, None, :L - 1, :] * patterns[None, :, 1:, None]
+        signs = np.broadcast_to(patterns[None, :, 0], (len(y), len(patterns)))
+        return u, np.ascontiguousarray(x0.reshape(len(y), len(patterns), (L - 1) * T)), signs
+
+    def _prior(self, omega, V):
+        """The prior of x = h_{<L}: N(ω_{<L}, V_{<L,<L} ⊗ I_T)."""
+        L, T = self.model.layers, self.T
+        prec = np.linalg.inv(V[:, :L - 1, :L - 1])
+        P = np.einsum("nab,ts->natbs", prec, np.eye(T)).reshape(len(V), (L - 1) * T, (L - 1) * T)
+        return omega[:, :L - 1].reshape(len(V), -1), P
+
+    def _points(self, u, omega, Vinv, logdetV):
+        """L = 1: the posterior is the two points ±u_L."""
+        n, T = u.shape
+        Z = np.stack([u, -u], axis=1)                                     # (n, 2, T)
+        r = Z - omega[:, None, 0, :]
+        logw = -0.5 * Vinv[:, 0, 0, None] * (r ** 2).sum(axis=2) - 0.5 * T * (np.log(2 * np.pi) + logdetV[:, None])
+        top = logw.max(axis=1)
+        w = np.exp(logw - top[:, None])
+        log_z = top + np.log(w.sum(axis=1))
+        w /= w.sum(axis=1, keepdims=True)
+        mean = np.einsum("nk,nkt->nt", w, Z)
+        dev = Z - mean[:, None, :]
+        cov = np.einsum("nk,nks,nkt->nst", w, dev, dev)
+        return log_z, mean, cov
+
+    def _point(self, u, x, sign):
+        n, T = u.shape
+        out = self._node_kernel(np.concatenate([u, x], axis=1), self.model.params)
+        return np.concatenate([x, sign[:, None] * out[:, :T]], axis=1)
+
+    def _evaluator(self, u, sign, omega, Vinv, logdetV):
+        """log f_s(x) = log N([x; s h_L(x)]; ω, V) - log|det Φ(x)|, its gradient and the
+        Gauss–Newton Hessian Dᵀ P D with D = ∂Z/∂x = [I; s ∂h_L/∂x], P = V⁻¹ ⊗ I_T."""
+        T, R = self.T, self.R
+        d = (R - 1) * T
+        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(len(u), R * T, R * T)
+        const = -0.5 * T * (R * np.log(2 * np.pi) + logdetV)
+
+        def evaluate(x, rows):
+            out = self._jac_kernel(np.concatenate([u[rows], x], axis=1), self.model.params)
+            h, logdet = out[:, :T], out[:, T]
+            dhl = out[:, T + 1:].reshape(len(x), T + 1, d)
+            s = sign[rows]
+            Z = np.concatenate([x, s[:, None] * h], axis=1)
+            r = Z - omega[rows].reshape(len(x), -1)
+            Pr = np.einsum("nij,nj->ni", P[rows], r)
+            D = np.concatenate([np.broadcast_to(np.eye(d), (len(x), d, d)),
+                                s[:, None, None] * dhl[:, :T]], axis=1)
+            logf = const[rows] - 0.5 * np.einsum("ni,ni->n", r, Pr) - logdet
+            grad = -np.einsum("nid,ni->nd", D, Pr) - dhl[:, T]
+            hess = np.einsum("nid,nij,nje->nde", D, P[rows], D)
+            bad = ~np.isfinite(logf)
+            logf[bad], grad[bad], hess[bad] = -np.inf, 0.0, np.eye(d)
+            return logf, grad, hess
+
+        return evaluate
+
+
+class NoisyChannel(Channel):
+    """Route 2: any differentiable link with Gaussian output noise, P(y|Z) = N(y; g(Z), Δ I)."""
+
+    route, _route_id = "noisy", 1
+
+    def __init__(self, model, noise: float, **options):
+        super().__init__(model, **options)
+        self._delta = validate.positive("noise", noise)
+        self._node_kernel = model.kernel("forward")
+        self._jac_kernel = model.kernel("jacobian")
+        self._n_node = int(np.prod(model.output_shape)) if model.output_shape else 1
+
+    def _check_y(self, y, n):
+        y = np.asarray(y, dtype=np.float64)
+        y, _ = validate.batch("y", y.reshape(len(y), *self.model.output_shape) if y.ndim else y,
+                              tuple(self.model.output_shape))
+        if len(y) != n:
+            raise ValueError(f"y and omega must have the same number of samples, got {len(y)} and {n}")
+        return y.reshape(n, -1)
+
+    def _prepare(self, y, omega, V):
+        flips = self.model.symmetries()                                  # (S, R) row signs
+        x0 = omega[:, None] * flips[None, :, :, None]
+        signs = np.zeros((len(y), len(flips)))
+        return y, np.ascontiguousarray(x0.reshape(len(y), len(flips), -1)), signs
+
+    def _point(self, y, x, sign):
+        return x
+
+    def _prior(self, omega, V):
+        """The prior of x = Z: N(ω, V ⊗ I_T)."""
+        P = np.einsum("nab,ts->natbs", np.linalg.inv(V), np.eye(self.T))
+        return omega.reshape(len(V), -1), P.reshape(len(V), self.R * self.T, self.R * self.T)
+
+    def _evaluator(self, y, sign, omega, Vinv, logdetV):
+        """log f(x) = log N(x; ω, V) + log N(y; g(x), Δ), gradient, Gauss–Newton Hessian
+        P + Jᵀ J / Δ."""
+        T, R, delta, k = self.T, self.R, self._delta, self._n_node
+        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(len(y), R * T, R * T)
+        const = -0.5 * T * (R * np.log(2 * np.pi) + logdetV) - 0.5 * k * np.log(2 * np.pi * delta)
+
+        def evaluate(x, rows):
+            out = self._jac_kernel(x, self.model.params)
+            g, J = out[:, :k], out[:, k:].reshape(len(x), k, R * T)
+            r = x - omega[rows].reshape(len(x), -1)
+            Pr = np.einsum("nij,nj->ni", P[rows], r)
+            res = y[rows] - g
+            logf = const[rows] - 0.5 * np.einsum("ni,ni->n", r, Pr) - 0.5 * (res ** 2).sum(1) / delta
+            grad = -Pr + np.einsum("nki,nk->ni", J, res) / delta
+            hess = P[rows] + np.einsum("nki,nkj->nij", J, J) / delta
+            return logf, grad, hess
+
+        return evaluate
+
+
+def make_channel(model, route: str | None = None, noise: float | None = None, **options) -> Channel:
+    """The channel of ``model``: ``noise`` > 0 selects the noisy route; otherwise the
+    reparametrisation for tied softmax deep attention with r = 1."""
+    if route is None:
+        route = "noisy" if noise is not None else "reparam"
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if route == "noisy":
+        if noise is None:
+            raise ValueError("noise (Δ > 0) is required for route='noisy'")
+        if "jacobian" not in model._specs:
+            raise ValueError(f"route='noisy' needs a differentiable link; {model!r} has none")
+        return NoisyChannel(model, noise, **options)
+    if noise is not None:
+        raise ValueError("noise is only used by route='noisy'")
+    if not hasattr(model, "spec"):
+        raise ValueError(f"{model!r} has no noiseless channel; give noise=Δ > 0")
+    return ReparamChannel(model, **options)

@@ -1,0 +1,390 @@
+"""Forward kernels of deep attention (spec §2): compiled kernel == lambdify twin == mpmath.
+
+The ground truth is tests/reference.py (mpmath at 50 digits, written from the spec alone).
+Inputs are drawn with a controlled softmax saturation: each layer's largest |β·logit| is drawn
+in [0, 50] (so rows of y reach e^-100 next to 1), β in [0.1, 10] (log-uniform), skip c in
+[0, 10], over every pre-generated (L, T, r) of the tied softmax model.
+
+Error metrics (all per sample):
+- y, Φ: componentwise relative, |x - x_ref| ≤ 1e-12 |x_ref| (all entries are > 0).
+- ∂y/∂Z: normwise relative, max|J - J_ref| ≤ 1e-12 · max|J_ref| + S, S the conditioning
+  allowance (how far the exact J moves under relative input perturbations of 1e-13); see
+  test_jacobian_matches_mpmath.  On saturated rows the kernels miss this (a known defect,
+  xfail test_jacobian_saturated_softmax_relative); test_jacobian_saturated_absolute_accuracy
+  records the absolute accuracy they do achieve there.
+- log|det Φ|: absolute error ≤ 1e-12 · max(1, κ), κ the condition number of det with respect to
+  relative perturbations of the entries of Φ (see test_mixing_matches_mpmath and the xfail
+  test_logdet_near_singular_berkowitz).
+"""
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from reference import Model, mp, to_mp
+from smi_core import DeepAttention
+
+PREGENERATED = [(L, T, r) for L in (1, 2, 3) for T in (2, 3, 4) for r in (1, 2)]
+DEEP = [case for case in PREGENERATED if case[0] >= 2]
+RTOL = 1e-12
+
+SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(SETTINGS, max_examples=4)
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _base(backend: str, **structure) -> DeepAttention:
+    return DeepAttention(backend=backend, **structure)
+
+
+def model(backend="compiled", skip=1.0, beta=1.0, readout=None, **structure) -> DeepAttention:
+    """A DeepAttention with the given runtime parameters that reuses one cached instance per
+    structure, so its kernels (and the lambdified twin, which takes up to 2 s to build) are
+    loaded once.  Runtime parameters are exactly what a new instance would get."""
+    key = dict(structure)
+    fresh = DeepAttention(skip=skip, beta=beta, readout=readout, backend=backend, **key)
+    shared = copy.copy(_base(backend, **key))
+    shared.skip, shared.beta, shared.readout, shared.params = fresh.skip, fresh.beta, fresh.readout, fresh.params
+    return shared
+
+
+def rel_err(x, ref):
+    """Componentwise relative error (max over entries)."""
+    return float(np.max(np.abs(x - ref) / np.abs(ref)))
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+
+betas = st.floats(np.log(0.1), np.log(10.0)).map(np.exp)
+skips = st.floats(0.0, 10.0)
+
+
+@st.composite
+def tied_inputs(draw, L, T, r, n_max=3, max_size=50.0):
+    """(Z (n, L·r, T), c, β) with each layer's largest |β·logit| drawn in [0, max_size]."""
+    c, beta = draw(skips), draw(betas)
+    ref = Model(L, T, r, skip=c, beta=beta)
+    n = draw(st.integers(1, n_max))
+    raw = draw(arrays(np.float64, (n, L * r, T), elements=st.floats(-1.0, 1.0, allow_subnormal=False)))
+    sizes = draw(arrays(np.float64, (n, L), elements=st.floats(0.0, max_size)))
+    Z = np.stack([ref.scale_layers(raw[i], sizes[i]) for i in range(n)])
+    return Z, c, beta
+
+
+# -- y = g(Z) ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L,T,r", PREGENERATED)
+@SETTINGS
+@given(data=st.data())
+def test_forward_matches_mpmath_and_twin(L, T, r, data):
+    """y from the compiled kernel and from the twin agree with mpmath to 1e-12 componentwise
+    relative error, saturated rows (entries down to e^-100) included."""
+    Z, c, beta = data.draw(tied_inputs(L, T, r))
+    y = model(layers=L, tokens=T, rank=r, skip=c, beta=beta).forward(Z)
+    y_twin = model("twin", layers=L, tokens=T, rank=r, skip=c, beta=beta).forward(Z)
+    y_ref = Model(L, T, r, skip=c, beta=beta).forward(Z)
+    assert y.shape == (len(Z), T, T)
+    assert rel_err(y, y_ref) <= RTOL
+    assert rel_err(y_twin, y_ref) <= RTOL
+    assert rel_err(y, y_twin) <= RTOL
+    np.testing.assert_allclose(y.sum(axis=2), 1.0, rtol=0, atol=1e-14)
+    # a single (R, T) sample gives a single (T, T) output, equal to its row of the batch
+    single = model(layers=L, tokens=T, rank=r, skip=c, beta=beta).forward(Z[0])
+    assert single.shape == (T, T)
+    np.testing.assert_array_equal(single, y[0])
+
+
+def test_spec_check_value():
+    """Spec §2 check value: L = 2, T = 2, r = 1, c = 1, β = 1 gives
+    y = softmax((A h₂)(A h₂)ᵀ), A = I + softmax(h₁ᵀh₁) (written out with NumPy)."""
+    def softmax(M):
+        e = np.exp(M - M.max(axis=1, keepdims=True))
+        return e / e.sum(axis=1, keepdims=True)
+
+    Z = np.array([[0.3, -0.7], [1.1, 0.4]])
+    h1, h2 = Z
+    u = (np.eye(2) + softmax(np.outer(h1, h1))) @ h2
+    expected = softmax(np.outer(u, u))
+    for backend in ("compiled", "twin"):
+        y = model(backend, layers=2, tokens=2, rank=1).forward(Z)
+        np.testing.assert_allclose(y, expected, rtol=1e-14, atol=0)
+    # L = 1: y = σ_β(h₁ᵀh₁)
+    y1 = model(layers=1, tokens=2, rank=1, beta=2.5).forward(Z[:1])
+    np.testing.assert_allclose(y1, softmax(2.5 * np.outer(h1, h1)), rtol=1e-14, atol=0)
+
+
+# -- ∂y/∂Z ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L,T,r", PREGENERATED)
+@FEW
+@given(data=st.data())
+def test_jacobian_matches_mpmath(L, T, r, data):
+    """∂y/∂Z (compiled and twin) against 150-digit finite differences of the mpmath model, with
+    every layer's |β·logit| ≤ 5 (softmax entries down to ≈ e^-10; see below for saturation).
+
+    Metric, per sample: max|J - J_ref| ≤ 1e-12 · max|J_ref| + S, where S is how far the exact
+    Jacobian moves under random relative input perturbations of 1e-13 (≈ 450 ulp).  S is the
+    conditioning allowance: where u_L is nearly constant (e.g. c = 0 with nearly uniform early
+    layers, or h_L ∝ (1, …, 1)), y depends on Z only through small differences of large
+    numbers and no float64 evaluation can give J to 1e-12 relative; elsewhere S ≪ 1e-12·max|J|
+    and the plain relative criterion applies."""
+    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=1, max_size=5.0))
+    ref = Model(L, T, r, skip=c, beta=beta)
+    J_ref, S = ref.forward_jacobian(Z), ref.jacobian_sensitivity(Z)
+    for backend in ("compiled", "twin"):
+        J = model(backend, layers=L, tokens=T, rank=r, skip=c, beta=beta).forward_jacobian(Z)
+        assert J.shape == (len(Z), T * T, L * r * T)
+        for i in range(len(Z)):
+            err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
+            assert err <= RTOL * scale + S[i], (backend, i, err, scale, S[i])
+
+
+@pytest.mark.parametrize("L,T,r", [(1, 2, 1), (2, 3, 1), (3, 4, 2)])
+@FEW
+@given(data=st.data())
+def test_jacobian_saturated_absolute_accuracy(L, T, r, data):
+    """With every layer's |β·logit| up to 50, what the kernels achieve today: an absolute error
+    ≤ 1e-12 · max|J_ref| + 1e-13 · G, G = max|∂(β·M_ℓ)/∂Z| the scale of the logit derivatives
+    (measured: ≤ 5e-15 · G).  This is weaker than the 1e-12 relative contract, which the kernels
+    miss on saturated rows (test_jacobian_saturated_softmax_relative, xfail)."""
+    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=1))
+    ref = Model(L, T, r, skip=c, beta=beta)
+    J_ref, G = ref.forward_jacobian(Z), ref.logit_gradient_scale(Z)
+    J = model(layers=L, tokens=T, rank=r, skip=c, beta=beta).forward_jacobian(Z)
+    for i in range(len(Z)):
+        err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
+        assert err <= RTOL * scale + 1e-13 * G[i], (i, err, scale, G[i])
+
+
+def _saturated(L, T, direction, size, seed=0):
+    """A rank-1 sample whose every softmax row is saturated: earlier layers drawn with
+    |β·logit| = 50, and h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L (solved at 50 digits) with u_L ∝ ``direction``
+    scaled so that max|u_L u_Lᵀ| = ``size`` (c = 1, β = 1)."""
+    ref = Model(L, T, 1)
+    Z = ref.scale_layers(np.random.default_rng(seed).uniform(-1, 1, size=(L, T)), [50.0] * L)
+    u = np.asarray(direction, dtype=float)
+    u *= np.sqrt(size / np.abs(np.outer(u, u)).max())
+    Phi = mp.matrix(ref.mixing_mp(to_mp(Z)))
+    Z[L - 1] = [float(x) for x in mp.lu_solve(Phi, mp.matrix(to_mp(u)))]
+    return Z[None]
+
+
+SATURATED = {
+    # h = √50 (1, -0.6): logits β h hᵀ = [[50, -30], [-30, 18]], y₀₁ ≈ e^-80, y₁₀ ≈ e^-48;
+    # max|J| ≈ 2.2e-20 (∂y₁₁/∂h₁), which the kernels return as 0.
+    "L1_T2": (1, 2, np.array([[[np.sqrt(50.0), -0.6 * np.sqrt(50.0)]]])),
+    "L2_T2": (2, 2, _saturated(2, 2, [1.0, -0.6], 50.0)),
+    "L3_T2": (3, 2, _saturated(3, 2, [1.0, -0.6], 50.0)),
+    "L2_T3": (2, 3, _saturated(2, 3, [1.0, -0.6, 0.3], 100.0)),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: the softmax row maximum is held constant in "
+                   "the chain rule (derive/links.py), so ∂y_tt/∂Z of a saturated row (y_tt ≈ 1) "
+                   "is a difference of two terms of size β|∂M/∂Z| that cancel")
+@pytest.mark.parametrize("backend", ["compiled", "twin"])
+@pytest.mark.parametrize("case", sorted(SATURATED))
+def test_jacobian_saturated_softmax_relative(case, backend):
+    """The 1e-12 relative contract on fully saturated samples (every softmax row saturated;
+    |β·logit| up to 50, 100 for T ≥ 3 where it takes more to saturate every row).
+    The kernels' absolute error is ≈ 1e-16 · β|∂M/∂Z| ≈ 1e-15, but the whole Jacobian is
+    ≈ 1e-20 or smaller, so the normwise relative error is O(1).  Not conditioning: the
+    allowance S of test_jacobian_matches_mpmath is ≈ 1e-31 here, and the stable form
+    ∂σ_ts = σ_ts Σ_k σ_tk (∂x_ts - ∂x_tk) (x = β·M) gives 5e-15 relative error on L1_T2."""
+    L, T, Z = SATURATED[case]
+    ref = Model(L, T, 1)
+    J_ref, S = ref.forward_jacobian(Z), ref.jacobian_sensitivity(Z)
+    J = model(backend, layers=L, tokens=T, rank=1).forward_jacobian(Z)
+    assert np.abs(J - J_ref).max() <= RTOL * np.abs(J_ref).max() + S[0]
+
+
+# -- mixing Φ⁽ᴸ⁻¹⁾ and log|det Φ⁽ᴸ⁻¹⁾| ------------------------------------------------------------
+
+@pytest.mark.parametrize("L,T,r", DEEP)
+@SETTINGS
+@given(data=st.data())
+def test_mixing_matches_mpmath(L, T, r, data):
+    """Φ⁽ᴸ⁻¹⁾ to 1e-12 componentwise relative error (its entries are positive sums of positive
+    products, so no cancellation); log|det Φ⁽ᴸ⁻¹⁾| to 1e-12 · max(1, κ) absolute, κ the
+    condition number of the determinant with respect to relative changes of the entries of Φ
+    (a Φ known to relative accuracy δ fixes log|det| only to ≈ κ·δ; κ is large when c < 1 and
+    the attention matrices are saturated onto the same token).  Near-singular Φ with
+    κ ≥ 1e8 are left out here: there the Berkowitz determinant is off by far more than the
+    conditioning allows (test_logdet_near_singular_berkowitz).  Exactly singular Φ (c = 0 and
+    a layer of zero indices, κ = ∞) must give -inf or a finite number, never NaN.  Full Z and
+    the first (L-1)·r rows give identical results, for compiled and twin alike."""
+    Z, c, beta = data.draw(tied_inputs(L, T, r))
+    ref = Model(L, T, r, skip=c, beta=beta)
+    phi_ref, logdet_ref, kappa = ref.mixing(Z)
+    assume((kappa < 1e8).all())
+    for backend in ("compiled", "twin"):
+        m = model(backend, layers=L, tokens=T, rank=r, skip=c, beta=beta)
+        mix, mix_prev = m.mixing(Z), m.mixing(Z[:, :(L - 1) * r])
+        np.testing.assert_array_equal(mix.phi, mix_prev.phi)
+        np.testing.assert_array_equal(mix.logdet, mix_prev.logdet)
+        assert mix.phi.shape == (len(Z), T, T) and mix.logdet.shape == (len(Z),)
+        assert rel_err(mix.phi, phi_ref) <= RTOL
+        assert not np.isnan(mix.logdet).any()
+        ok = np.isfinite(kappa)
+        err = np.abs(mix.logdet[ok] - logdet_ref[ok])
+        assert (err <= RTOL * np.maximum(1.0, kappa[ok])).all(), (backend, err, kappa[ok])
+
+
+@pytest.mark.xfail(strict=True, reason="known defect: log|det Φ| via the Berkowitz expansion of Φ "
+                   "(derive/attention.determinant) loses all accuracy for near-singular Φ")
+@pytest.mark.parametrize("backend", ["compiled", "twin"])
+def test_logdet_near_singular_berkowitz(backend):
+    """L = 3, T = 4, c = 0: both attention matrices are nearly rank one (log|det| -10.3 and
+    -30.9), Φ⁽²⁾ has log|det| = -41.2122357 and κ = 1.3e9.  Φ itself is right to 3e-14
+    componentwise, and numpy.linalg.slogdet of the kernel's Φ gives log|det| to 1.3e-8
+    (≈ κ · 1e-17), but the kernel's Berkowitz determinant gives -39.18 (error 2.0)."""
+    beta = 3.487142025031749
+    Z = np.array([[[-1.5301050227249566, 0.3933182932873602, -1.4603935514080537, 0.28595565766225434],
+                   [16.10143444508352, -6.577713376100208, -14.71808624390084, 16.036044469717993],
+                   [0.7837579961504861, -1.7436615667698157, -0.6690677860558424, -2.4488746869376765]]])
+    m = model(backend, layers=3, tokens=4, rank=1, skip=0.0, beta=beta)
+    mix = m.mixing(Z)
+    phi_ref, logdet_ref, kappa = Model(3, 4, 1, skip=0.0, beta=beta).mixing(Z)
+    assert rel_err(mix.phi, phi_ref) <= RTOL            # Φ is fine ...
+    assert abs(mix.logdet[0] - logdet_ref[0]) <= RTOL * kappa[0]   # ... its log|det| is not
+
+
+# -- evenness ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L,T,r", PREGENERATED)
+@FEW
+@given(data=st.data())
+def test_even_in_each_layer(L, T, r, data):
+    """h_ℓ → -h_ℓ leaves y unchanged for every layer ℓ separately (spec §2), and so
+    ∂y/∂h_ℓ is odd and ∂y/∂h_k (k ≠ ℓ) even; tolerance 1e-14 (componentwise relative for y,
+    normwise relative for J; in practice the results agree bit for bit, since negation is exact
+    and rounding is sign-symmetric)."""
+    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=2))
+    m = model(layers=L, tokens=T, rank=r, skip=c, beta=beta)
+    y, J = m.forward(Z), m.forward_jacobian(Z)
+    for layer in range(L):
+        flipped = Z.copy()
+        flipped[:, layer * r:(layer + 1) * r] *= -1
+        y_f, J_f = m.forward(flipped), m.forward_jacobian(flipped)
+        assert np.all(np.abs(y_f - y) <= 1e-14 * np.abs(y))
+        sign = np.ones(L * r * T)
+        sign[layer * r * T:(layer + 1) * r * T] = -1
+        for i in range(len(Z)):
+            assert np.abs(J_f[i] - J[i] * sign).max() <= 1e-14 * np.abs(J[i]).max()
+
+
+# -- other links and architectures (compiled on demand, once: ~10 s each) -------------------------
+
+OTHERS = {
+    "hardmax": dict(layers=2, tokens=3, rank=1, link="hardmax"),
+    "linear": dict(layers=2, tokens=2, rank=1, link="linear"),
+    "untied": dict(layers=2, tokens=2, rank=1, architecture="untied"),
+    "multihead": dict(layers=2, tokens=2, rank=1, architecture="multihead", heads=2),
+    "seq2seq": dict(layers=2, tokens=2, rank=1, architecture="seq2seq"),
+}
+
+
+@st.composite
+def other_inputs(draw, structure, n_max=2, max_size=20.0):
+    c, beta = draw(skips), draw(betas)
+    readout = None
+    if structure.get("architecture") == "multihead":
+        readout = draw(arrays(np.float64, (structure["layers"], structure["heads"]),
+                              elements=st.floats(-1.0, 2.0)))
+    ref = Model(skip=c, beta=beta, readout=None if readout is None else tuple(map(tuple, readout)),
+                **structure)
+    n = draw(st.integers(1, n_max))
+    raw = draw(arrays(np.float64, (n, ref.indices, ref.tokens), elements=st.floats(-1.0, 1.0, allow_subnormal=False)))
+    sizes = draw(arrays(np.float64, (n, ref.layers), elements=st.floats(0.0, max_size)))
+    Z = np.stack([ref.scale_layers(raw[i], sizes[i]) for i in range(n)])
+    return Z, c, beta, readout, ref
+
+
+@pytest.mark.parametrize("name", sorted(OTHERS))
+@settings(SETTINGS, max_examples=8)
+@given(data=st.data())
+def test_other_models_match_mpmath(name, data):
+    """Hardmax / linear links and untied / multi-head / seq2seq architectures against mpmath:
+    y to 1e-12 componentwise relative error (hardmax: exactly, on rows whose two largest
+    logits are not within 1e-9 relative of each other, or tie exactly), compiled == twin, and
+    ∂y/∂Z (not for hardmax) to 1e-12 normwise relative against finite differences, with the
+    same saturated-row floor 1e-15 · G as the tied model; every layer's |β·logit| ≤ 20 here."""
+    structure = OTHERS[name]
+    Z, c, beta, readout, ref = data.draw(other_inputs(structure))
+    m = model(skip=c, beta=beta, readout=readout, **structure)
+    twin = model("twin", skip=c, beta=beta, readout=readout, **structure)
+    y, y_ref = m.forward(Z), ref.forward(Z)
+    if name == "hardmax":
+        T = ref.tokens
+        logits = np.array([ref.logits_mp(to_mp(z))[-T * T:] for z in Z], dtype=float)
+        top = np.sort(logits.reshape(len(Z), T, T), axis=2)[:, :, -2:]
+        gap = top[:, :, 1] - top[:, :, 0]
+        assume(np.all((gap == 0) | (gap > 1e-9 * np.abs(top).max(axis=2))))
+        np.testing.assert_array_equal(y, y_ref)
+        np.testing.assert_array_equal(twin.forward(Z), y)
+        return
+    np.testing.assert_allclose(twin.forward(Z), y, rtol=RTOL, atol=0)
+    if name == "linear":   # entries of any sign: normwise relative per sample
+        for i in range(len(Z)):
+            assert np.abs(y[i] - y_ref[i]).max() <= RTOL * np.abs(y_ref[i]).max()
+    elif name == "multihead":   # Σ_k a_k σ_k with readout weights of either sign
+        for i in range(len(Z)):
+            bound = np.abs(readout[-1]).sum()
+            assert np.abs(y[i] - y_ref[i]).max() <= RTOL * bound
+    else:
+        assert rel_err(y, y_ref) <= RTOL
+    J, J_ref, G = m.forward_jacobian(Z), ref.forward_jacobian(Z), ref.logit_gradient_scale(Z)
+    np.testing.assert_allclose(twin.forward_jacobian(Z), J, rtol=0, atol=RTOL * np.abs(J).max())
+    for i in range(len(Z)):
+        err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
+        assert err <= max(RTOL * scale, 1e-15 * G[i]), (i, err, scale, G[i])
+
+
+def test_hardmax_ties_take_the_first_maximum():
+    """h_L = 0 makes every last-layer logit 0: each row of y is the first unit vector."""
+    rng = np.random.default_rng(1)
+    Z = rng.normal(size=(2, 2, 3))
+    Z[:, 1] = 0.0
+    y = model(**OTHERS["hardmax"], skip=0.5, beta=2.0).forward(Z)
+    expected = np.zeros((2, 3, 3))
+    expected[:, :, 0] = 1.0
+    np.testing.assert_array_equal(y, expected)
+
+
+def test_untied_with_equal_keys_and_queries_is_tied():
+    """k_ℓ = q_ℓ turns the untied model into the tied one (a check that does not depend on the
+    order of key and query rows)."""
+    rng = np.random.default_rng(2)
+    H = 0.8 * rng.normal(size=(3, 2, 2))
+    Z = np.repeat(H, 2, axis=1)               # rows k₁ q₁ k₂ q₂ = h₁ h₁ h₂ h₂
+    y_untied = model(**OTHERS["untied"], skip=0.4, beta=1.7).forward(Z)
+    y_tied = model(layers=2, tokens=2, rank=1, skip=0.4, beta=1.7).forward(H)
+    np.testing.assert_allclose(y_untied, y_tied, rtol=1e-13, atol=0)
+
+
+def test_multihead_with_equal_heads_is_tied():
+    """Two identical heads with readout weights a, 1 - a equal one tied head."""
+    rng = np.random.default_rng(3)
+    H = 0.8 * rng.normal(size=(3, 2, 2))
+    Z = np.repeat(H, 2, axis=1)
+    readout = np.array([[0.3, 0.7], [0.9, 0.1]])
+    y_multi = model(**OTHERS["multihead"], skip=0.6, beta=1.3, readout=readout).forward(Z)
+    y_tied = model(layers=2, tokens=2, rank=1, skip=0.6, beta=1.3).forward(H)
+    np.testing.assert_allclose(y_multi, y_tied, rtol=1e-13, atol=0)
+
+
+def test_seq2seq_output_is_the_mixing_matrix():
+    """seq2seq with L layers outputs Φ⁽ᴸ⁾, which is the mixing kernel of an (L+1)-layer model."""
+    rng = np.random.default_rng(4)
+    Z = 0.8 * rng.normal(size=(3, 2, 2))
+    y = model(**OTHERS["seq2seq"], skip=0.6, beta=1.3).forward(Z)
+    phi = model(layers=3, tokens=2, rank=1, skip=0.6, beta=1.3).mixing(Z).phi
+    np.testing.assert_allclose(y, phi, rtol=1e-14, atol=0)
