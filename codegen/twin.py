@@ -16,7 +16,7 @@ def twin(prog: Program):
     """A NumPy function with the kernel contract, built by ``lambdify`` from ``prog``."""
     args = prog.input_symbols() + list(prog.params)
     outs = prog.output_exprs()
-    f = sp.lambdify(args, outs, modules="numpy", cse=lambda exprs: (list(prog.body), exprs))
+    f = sp.lambdify(args, outs, modules=["numpy", "scipy"], cse=lambda exprs: (list(prog.body), exprs))
     n_in, n_par = prog.n_in, len(prog.params)
 
     def run(x: np.ndarray, params: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ maximum of the log weights so nothing overflows.  The integrand comes from a gen
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport exp, log, sqrt, INFINITY, M_PI, isfinite
+from libc.math cimport exp, fabs, log, sqrt, INFINITY, M_PI, isfinite
 from libc.stdlib cimport malloc, free
 from openmp cimport omp_get_max_threads
 
@@ -99,6 +99,10 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
     if route == 0:
         for i in range(n_data):
             node_in[i] = data[i]
+    cdef int active = 0
+    for m in range(M):
+        if logh[m] > -INFINITY:
+            active += 1
     for m in range(M):
         if not logh[m] > -INFINITY:
             continue
@@ -111,7 +115,7 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
                 for l in range(i + 1):
                     x[i] += A[(m * d + i) * d + l] * xi[k * d + l]
             base = logdetA + lw[k]
-            if M > 1:
+            if active > 1:
                 lmax = -INFINITY
                 for j in range(M):
                     lq[j] = logh[j] - 0.5 * _quad_h(x, centers + j * d, H + j * d * d, d) if logh[j] > -INFINITY else -INFINITY
@@ -173,3 +177,465 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
                     logdetV[i], &centers[i, 0, 0], &A[i, 0, 0, 0], &H[i, 0, 0, 0], &logh[i, 0], M,
                     &xi[0, 0], &lw[0], G, d, &ref[i, 0], R, T, n_node, delta,
                     &log_z[i], &mean[i, 0], &second[i, 0, 0])
+
+
+cdef struct Problem:
+    int route, R, T, d, n_node, n_data, n_out
+    kernel_t f              # the kernel with Jacobian: route 0 [h; logdet; ∂(h, logdet)/∂x], route 1 [g; ∂g/∂Z]
+    const double* par
+    const double* data      # route 0: u_L (T); route 1: y (n_node)
+    const double* omega
+    const double* Vinv
+    double const0           # -½ T (R log 2π + log det V) (route 1 also - ½ k log 2πΔ)
+    double delta
+    double* work            # scratch: node_in (n_data + d), node_out, Z, r, Pr, D (RT×d), PD (RT×d)
+
+
+cdef double _evaluate(Problem* p, const double* x, double sign, double* grad, double* H) noexcept nogil:
+    """log f(x), its gradient and the Gauss–Newton Hessian Dᵀ P D (+ JᵀJ/Δ), P = V⁻¹ ⊗ I_T."""
+    cdef int R = p.R, T = p.T, d = p.d, RT = p.R * p.T, k = p.n_node, i, j, a, b, t
+    cdef double* node_in = p.work
+    cdef double* out = node_in + p.n_data + d
+    cdef double* Z = out + p.n_out
+    cdef double* r = Z + RT
+    cdef double* Pr = r + RT
+    cdef double* D = Pr + RT
+    cdef double* PD = D + RT * d
+    cdef double logf, acc
+    if p.route == 0:
+        for i in range(p.n_data):
+            node_in[i] = p.data[i]
+        for i in range(d):
+            node_in[p.n_data + i] = x[i]
+        p.f(node_in, p.par, out)                 # out: h (T), logdet, then (T+1)×d Jacobian
+        for i in range(d):
+            Z[i] = x[i]
+        for i in range(T):
+            Z[d + i] = sign * out[i]
+        for i in range(RT):
+            for j in range(d):
+                D[i * d + j] = (1.0 if i == j else 0.0) if i < d else sign * out[T + 1 + (i - d) * d + j]
+    else:
+        p.f(x, p.par, out)                       # out: g (k), then k×RT Jacobian
+        for i in range(RT):
+            Z[i] = x[i]
+    for i in range(RT):
+        r[i] = Z[i] - p.omega[i]
+    for a in range(R):
+        for t in range(T):
+            acc = 0.0
+            for b in range(R):
+                acc += p.Vinv[a * R + b] * r[b * T + t]
+            Pr[a * T + t] = acc
+    logf = p.const0
+    for i in range(RT):
+        logf -= 0.5 * r[i] * Pr[i]
+    if p.route == 0:
+        logf -= out[T]
+        for j in range(d):
+            grad[j] = -out[T + 1 + T * d + j]
+            for i in range(RT):
+                grad[j] -= D[i * d + j] * Pr[i]
+        for a in range(R):
+            for t in range(T):
+                for j in range(d):
+                    acc = 0.0
+                    for b in range(R):
+                        acc += p.Vinv[a * R + b] * D[(b * T + t) * d + j]
+                    PD[(a * T + t) * d + j] = acc
+        for i in range(d):
+            for j in range(d):
+                acc = 0.0
+                for a in range(RT):
+                    acc += D[a * d + i] * PD[a * d + j]
+                H[i * d + j] = acc
+    else:
+        for i in range(k):
+            logf -= 0.5 * (p.data[i] - out[i]) ** 2 / p.delta
+        for i in range(RT):
+            grad[i] = -Pr[i]
+            for j in range(k):
+                grad[i] += out[k + j * RT + i] * (p.data[j] - out[j]) / p.delta
+        for a in range(R):
+            for t in range(T):
+                for b in range(R):
+                    for i in range(T):
+                        H[(a * T + t) * RT + b * T + i] = p.Vinv[a * R + b] if i == t else 0.0
+        for i in range(RT):
+            for j in range(RT):
+                acc = 0.0
+                for a in range(k):
+                    acc += out[k + a * RT + i] * out[k + a * RT + j]
+                H[i * RT + j] += acc / p.delta
+    return logf
+
+
+cdef int _cholesky_solve(double* H, double* rhs, double* L, int d) noexcept nogil:
+    """Solve H s = rhs (s written into rhs) by Cholesky; returns 0 if H is not positive definite."""
+    cdef int i, j, k
+    cdef double acc
+    for i in range(d):
+        for j in range(i + 1):
+            acc = H[i * d + j]
+            for k in range(j):
+                acc -= L[i * d + k] * L[j * d + k]
+            if i == j:
+                if not acc > 0:
+                    return 0
+                L[i * d + i] = sqrt(acc)
+            else:
+                L[i * d + j] = acc / L[j * d + j]
+    for i in range(d):
+        acc = rhs[i]
+        for k in range(i):
+            acc -= L[i * d + k] * rhs[k]
+        rhs[i] = acc / L[i * d + i]
+    for i in range(d - 1, -1, -1):
+        acc = rhs[i]
+        for k in range(i + 1, d):
+            acc -= L[k * d + i] * rhs[k]
+        rhs[i] = acc / L[i * d + i]
+    return 1
+
+
+cdef void _newton(Problem* p, double* x, double sign, double* logf_out, double* H,
+                  int iterations, double tol) noexcept nogil:
+    """Damped Gauss–Newton ascent of log f from x (in place); halve the step until log f does
+    not decrease.  Leaves x at the end point, log f there and the GN Hessian in H."""
+    cdef int d = p.d, it, i, halvings, ok
+    cdef double* grad = <double*> malloc((5 * d + 2 * d * d) * sizeof(double))
+    cdef double* step = grad + d
+    cdef double* trial = step + d
+    cdef double* g2 = trial + d
+    cdef double* tmp = g2 + d
+    cdef double* H2 = tmp + d
+    cdef double* L = H2 + d * d
+    cdef double logf = _evaluate(p, x, sign, grad, H), lf2, t, dec
+    for it in range(iterations):
+        if not isfinite(logf):
+            break
+        for i in range(d):
+            step[i] = grad[i]
+        if not _cholesky_solve(H, step, L, d):
+            break
+        dec = 0.0
+        for i in range(d):
+            dec += step[i] * grad[i]
+        if dec < tol * tol:
+            break
+        t = 1.0
+        ok = 0
+        for halvings in range(20):
+            for i in range(d):
+                trial[i] = x[i] + t * step[i]
+            lf2 = _evaluate(p, trial, sign, g2, H2)
+            if lf2 >= logf:
+                ok = 1
+                break
+            t *= 0.5
+        if not ok:
+            break
+        for i in range(d):
+            x[i] = trial[i]
+            grad[i] = g2[i]
+        for i in range(d * d):
+            H[i] = H2[i]
+        logf = lf2
+    logf_out[0] = logf
+    free(grad)
+
+
+def modes(int route, capsule, const double[::1] params, const double[:, ::1] data,
+          const double[:, ::1] omega, const double[:, :, ::1] Vinv, const double[::1] const0,
+          double[:, :, ::1] x, const double[:, ::1] signs, double[:, ::1] logf,
+          double[:, :, :, ::1] H, int R, int T, int n_node, double delta,
+          int iterations=50, double tol=1e-6, int threads=0):
+    """Laplace modes: Gauss–Newton from every start x[i, k] (in place), with log f and the
+    Gauss–Newton Hessian at the end point."""
+    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef Py_ssize_t n = x.shape[0], i
+    cdef int K = x.shape[1], d = x.shape[2], k, RT = R * T, n_data = data.shape[1]
+    cdef int n_out = n_node * (1 + d)
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _modes_one(route, f, &params[0], &data[i, 0], n_data, &omega[i, 0], &Vinv[i, 0, 0],
+                       const0[i], &x[i, 0, 0], &signs[i, 0], &logf[i, 0], &H[i, 0, 0, 0],
+                       K, d, R, T, n_node, n_out, delta, iterations, tol)
+
+
+cdef void _modes_one(int route, kernel_t f, const double* par, const double* data, int n_data,
+                     const double* omega, const double* Vinv, double const0, double* x,
+                     const double* signs, double* logf, double* H, int K, int d, int R, int T,
+                     int n_node, int n_out, double delta, int iterations, double tol) noexcept nogil:
+    cdef Problem p
+    cdef int k, RT = R * T
+    p.route, p.R, p.T, p.d, p.n_node, p.n_data, p.n_out = route, R, T, d, n_node, n_data, n_out
+    p.f, p.par, p.data, p.omega, p.Vinv, p.const0, p.delta = f, par, data, omega, Vinv, const0, delta
+    p.work = <double*> malloc((n_data + d + n_out + 3 * RT + 2 * RT * d) * sizeof(double))
+    for k in range(K):
+        _newton(&p, x + k * d, signs[k], logf + k, H + k * d * d, iterations, tol)
+    free(p.work)
+
+
+# -- adaptive cubature (Genz–Malik 7/5) for samples the tensor rule does not resolve ------------
+
+cdef double GM_L2 = sqrt(9.0 / 70.0), GM_L3 = sqrt(9.0 / 10.0), GM_L5 = sqrt(9.0 / 19.0)
+
+
+cdef struct Sample:
+    int route, R, T, d, M, n_data, n_node, active
+    kernel_t f
+    const double* par
+    const double* data
+    const double* omega
+    const double* Vinv
+    double const0, delta, shift
+    const double* centers
+    const double* A
+    const double* H
+    const double* logh
+    const double* ref
+    double* node_in
+    double* node_out
+    double* x
+    double* Z
+    double* lq
+
+
+cdef double _point(Sample* s, int m, const double* xi, double weight, double* S0, double* S1,
+                   double* S2, double w5, double* S0b, double* S1b, double* S2b) noexcept nogil:
+    """Add weight × f(x) π_m(x) |det A_m| (both rules: weights ``weight`` and ``w5``) at
+    x = c_m + A_m ξ to the moment sums; returns the mass value (for fourth differences)."""
+    cdef int d = s.d, RT = s.R * s.T, i, l, j, sg, nsg
+    cdef double* x = s.x
+    cdef double* Z = s.Z
+    cdef double base, lmax, lse, lf, v, total = 0.0, sq, r, logdetA = 0.0
+    for i in range(d):
+        logdetA += log(s.A[(m * d + i) * d + i])
+        x[i] = s.centers[m * d + i]
+        for l in range(i + 1):
+            x[i] += s.A[(m * d + i) * d + l] * xi[l]
+    base = logdetA - s.shift
+    if s.active > 1:
+        lmax = -INFINITY
+        for j in range(s.M):
+            s.lq[j] = s.logh[j] - 0.5 * _quad_h(x, s.centers + j * d, s.H + j * d * d, d) if s.logh[j] > -INFINITY else -INFINITY
+            if s.lq[j] > lmax:
+                lmax = s.lq[j]
+        lse = 0.0
+        for j in range(s.M):
+            lse += exp(s.lq[j] - lmax)
+        base += s.lq[m] - lmax - log(lse)
+    nsg = 2 if s.route == 0 else 1
+    if s.route == 0:
+        for i in range(d):
+            s.node_in[s.n_data + i] = x[i]
+        s.f(s.node_in, s.par, s.node_out)
+        if not isfinite(s.node_out[s.T]):
+            return 0.0
+    else:
+        s.f(x, s.par, s.node_out)
+    for sg in range(nsg):
+        if s.route == 0:
+            for i in range(d):
+                Z[i] = x[i]
+            for i in range(s.T):
+                Z[d + i] = s.node_out[i] if sg == 0 else -s.node_out[i]
+            lf = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, s.T) - s.node_out[s.T]
+        else:
+            for i in range(RT):
+                Z[i] = x[i]
+            sq = 0.0
+            for i in range(s.n_node):
+                r = s.data[i] - s.node_out[i]
+                sq += r * r
+            lf = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, s.T) - 0.5 * sq / s.delta
+        if not isfinite(lf):
+            continue
+        v = exp(base + lf)
+        total += v
+        S0[0] += weight * v
+        S0b[0] += w5 * v
+        for i in range(RT):
+            S1[i] += weight * v * (Z[i] - s.ref[i])
+            S1b[i] += w5 * v * (Z[i] - s.ref[i])
+            for j in range(i, RT):
+                S2[i * RT + j] += weight * v * (Z[i] - s.ref[i]) * (Z[j] - s.ref[j])
+                S2b[i * RT + j] += w5 * v * (Z[i] - s.ref[i]) * (Z[j] - s.ref[j])
+    return total
+
+
+cdef double _region(Sample* s, int m, const double* c, const double* h, double* S, double* scratch,
+                    const double* scale, int* axis) noexcept nogil:
+    """Genz–Malik degree-7 rule on the box c ± h (component m): moment sums into S (1 + RT + RT²),
+    returns the error (|7-rule - 5-rule| in mass and scaled moments) and the axis to split."""
+    cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, i, j, a, b, k, corner
+    cdef double vol = 1.0, fd, fdmax = -1.0, f0, fp2, fm2, fp3, fm3, err
+    cdef double w1 = (12824.0 - 9120.0 * d + 400.0 * d * d) / 19683.0, w2 = 980.0 / 6561.0
+    cdef double w3 = (1820.0 - 400.0 * d) / 19683.0, w4 = 200.0 / 19683.0
+    cdef double w5 = 6859.0 / 19683.0 / (1 << d)
+    cdef double v1 = (729.0 - 950.0 * d + 50.0 * d * d) / 729.0, v2 = 245.0 / 486.0
+    cdef double v3 = (265.0 - 100.0 * d) / 1458.0, v4 = 25.0 / 729.0
+    cdef double* Sb = scratch
+    cdef double* xi = scratch + n
+    for i in range(d):
+        vol *= 2.0 * h[i]
+    for i in range(n):
+        S[i] = 0.0
+        Sb[i] = 0.0
+    for i in range(d):
+        xi[i] = c[i]
+    f0 = _point(s, m, xi, vol * w1, S, S + 1, S + 1 + RT, vol * v1, Sb, Sb + 1, Sb + 1 + RT)
+    axis[0] = 0
+    for i in range(d):
+        xi[i] = c[i] + GM_L2 * h[i]
+        fp2 = _point(s, m, xi, vol * w2, S, S + 1, S + 1 + RT, vol * v2, Sb, Sb + 1, Sb + 1 + RT)
+        xi[i] = c[i] - GM_L2 * h[i]
+        fm2 = _point(s, m, xi, vol * w2, S, S + 1, S + 1 + RT, vol * v2, Sb, Sb + 1, Sb + 1 + RT)
+        xi[i] = c[i] + GM_L3 * h[i]
+        fp3 = _point(s, m, xi, vol * w3, S, S + 1, S + 1 + RT, vol * v3, Sb, Sb + 1, Sb + 1 + RT)
+        xi[i] = c[i] - GM_L3 * h[i]
+        fm3 = _point(s, m, xi, vol * w3, S, S + 1, S + 1 + RT, vol * v3, Sb, Sb + 1, Sb + 1 + RT)
+        xi[i] = c[i]
+        fd = fabs(fp2 + fm2 - 2 * f0 - (GM_L2 * GM_L2 / (GM_L3 * GM_L3)) * (fp3 + fm3 - 2 * f0))
+        if fd > fdmax * (1 + 1e-12):
+            fdmax, axis[0] = fd, i
+    for i in range(d):
+        for j in range(i + 1, d):
+            for k in range(4):
+                xi[i] = c[i] + (GM_L3 if k & 1 else -GM_L3) * h[i]
+                xi[j] = c[j] + (GM_L3 if k & 2 else -GM_L3) * h[j]
+                _point(s, m, xi, vol * w4, S, S + 1, S + 1 + RT, vol * v4, Sb, Sb + 1, Sb + 1 + RT)
+            xi[i], xi[j] = c[i], c[j]
+    for corner in range(1 << d):
+        for i in range(d):
+            xi[i] = c[i] + (GM_L5 if (corner >> i) & 1 else -GM_L5) * h[i]
+        _point(s, m, xi, vol * w5, S, S + 1, S + 1 + RT, 0.0, Sb, Sb + 1, Sb + 1 + RT)
+    err = fabs(S[0] - Sb[0])
+    for a in range(RT):
+        err += fabs(S[1 + a] - Sb[1 + a]) / scale[a]
+        for b in range(a, RT):
+            err += fabs(S[1 + RT + a * RT + b] - Sb[1 + RT + a * RT + b]) / (scale[a] * scale[b])
+    return err
+
+
+cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol, int max_regions,
+                        double* log_z, double* mean, double* second, int* used,
+                        double* achieved) noexcept nogil:
+    cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, m, k, i, j, count = 0, best, ax
+    cdef double* rc = <double*> malloc(max_regions * (2 * d + 1 + n) * sizeof(double))
+    cdef double* rh = rc + max_regions * d
+    cdef double* rerr = rh + max_regions * d
+    cdef double* rS = rerr + max_regions
+    cdef int* rm = <int*> malloc(2 * max_regions * sizeof(int))
+    cdef int* raxis = rm + max_regions
+    cdef double* scratch = <double*> malloc((n + d) * sizeof(double))
+    cdef double err_total = 0.0, mass = 0.0, worst
+    for m in range(s.M):
+        if not s.logh[m] > -INFINITY:
+            continue
+        for j in range(1 << d):
+            if count >= max_regions:
+                break
+            for i in range(d):
+                rc[count * d + i] = (0.5 if (j >> i) & 1 else -0.5) * bound
+                rh[count * d + i] = 0.5 * bound
+            rm[count] = m
+            rerr[count] = _region(s, m, rc + count * d, rh + count * d, rS + count * n, scratch, scale, raxis + count)
+            err_total += rerr[count]
+            mass += rS[count * n]
+            count += 1
+    while err_total > tol * fabs(mass) and count < max_regions:
+        best, worst = 0, -1.0
+        for k in range(count):
+            if rerr[k] > worst:
+                best, worst = k, rerr[k]
+        ax = raxis[best]
+        err_total -= rerr[best]
+        mass -= rS[best * n]
+        rh[best * d + ax] *= 0.5
+        for i in range(d):
+            rc[count * d + i] = rc[best * d + i]
+            rh[count * d + i] = rh[best * d + i]
+        rc[best * d + ax] -= rh[best * d + ax]
+        rc[count * d + ax] += rh[best * d + ax]
+        rm[count] = rm[best]
+        count += 1
+        for j in range(2):
+            k = best if j == 0 else count - 1
+            rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, scale, raxis + k)
+            err_total += rerr[k]
+            mass += rS[k * n]
+    for i in range(n):
+        scratch[i] = 0.0
+    for k in range(count):
+        for i in range(n):
+            scratch[i] += rS[k * n + i]
+    log_z[0] = s.shift + log(scratch[0])
+    for i in range(RT):
+        mean[i] = scratch[1 + i] / scratch[0]
+        for j in range(i, RT):
+            second[i * RT + j] = scratch[1 + RT + i * RT + j] / scratch[0]
+            second[j * RT + i] = second[i * RT + j]
+    used[0] = count
+    achieved[0] = err_total / fabs(mass)
+    free(rc)
+    free(rm)
+    free(scratch)
+
+
+def integrate_adaptive(int route, capsule, const double[::1] params, const double[:, ::1] data,
+                       const double[:, ::1] omega, const double[:, :, ::1] Vinv,
+                       const double[::1] const0, const double[:, :, ::1] centers,
+                       const double[:, :, :, ::1] A, const double[:, :, :, ::1] H,
+                       const double[:, ::1] logh, const double[:, ::1] ref,
+                       const double[:, ::1] scale, int R, int T, int n_node, double delta,
+                       double tol, int max_regions, double bound,
+                       double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
+                       int[::1] used, double[::1] achieved, int threads=0):
+    """Adaptive Genz–Malik cubature of every partition piece over the box ±bound (whitened
+    coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached."""
+    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef Py_ssize_t n = omega.shape[0], i
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _adaptive_sample(route, f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0],
+                             &Vinv[i, 0, 0], const0[i], &centers[i, 0, 0], &A[i, 0, 0, 0],
+                             &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], centers.shape[2],
+                             &ref[i, 0], &scale[i, 0], R, T, n_node, delta, tol, max_regions, bound,
+                             &log_z[i], &mean[i, 0], &second[i, 0, 0], &used[i], &achieved[i])
+
+
+cdef void _adaptive_sample(int route, kernel_t f, const double* par, const double* data, int n_data,
+                           const double* omega, const double* Vinv, double const0,
+                           const double* centers, const double* A, const double* H,
+                           const double* logh, int M, int d, const double* ref, const double* scale,
+                           int R, int T, int n_node, double delta, double tol, int max_regions,
+                           double bound, double* log_z, double* mean, double* second,
+                           int* used, double* achieved) noexcept nogil:
+    cdef Sample s
+    cdef int i, RT = R * T
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + RT + M) * sizeof(double))
+    s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
+    s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
+    s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
+    s.shift = -INFINITY
+    s.active = 0
+    for i in range(M):
+        if logh[i] > -INFINITY:
+            s.active += 1
+        if logh[i] > s.shift:
+            s.shift = logh[i]
+    s.node_in = work
+    s.node_out = work + n_data + d
+    s.x = s.node_out + n_node * (1 + d)
+    s.Z = s.x + d
+    s.lq = s.Z + RT
+    for i in range(n_data):
+        s.node_in[i] = data[i]
+    _adaptive_one(&s, scale, bound, tol, max_regions, log_z, mean, second, used, achieved)
+    free(work)

@@ -26,9 +26,9 @@ import numpy as np
 
 from . import _quadrature, validate
 from .kernels import first_bad_row
-from .quadrature import gauss_hermite, gauss_newton, partition, sobol_normal
+from .quadrature import gauss_hermite, partition, sobol_normal
 
-ROUTES = ("reparam", "noisy")
+ROUTES = ("reparam", "noisy", "closed")
 DEFAULT_NODES = {1: 40, 2: 14, 3: 9, 4: 7}
 
 
@@ -49,11 +49,12 @@ class Channel:
 
     def __init__(self, model, nodes: int | None = None, tol: float | None = None,
                  error_estimate: bool = True, qmc_points: int = 4096, seed: int = 0,
-                 inflate: float = 1.0, threads: int | None = None):
+                 inflate: float = 1.0, max_regions: int = 4000, threads: int | None = None):
         self.model = model
         self.R, self.T = model.indices, model.tokens
         self.nodes, self.tol, self.error_estimate = nodes, tol, error_estimate or tol is not None
         self.qmc_points, self.seed, self.inflate = qmc_points, seed, inflate
+        self.max_regions = max_regions
         self.threads = threads or 0
         if nodes is not None and (not isinstance(nodes, (int, np.integer)) or nodes < 2):
             raise ValueError(f"nodes must be an integer ≥ 2, got {nodes!r}")
@@ -65,6 +66,8 @@ class Channel:
         omega, _ = validate.batch("omega", omega, (self.R, self.T))
         n = len(omega)
         V = np.asarray(V, dtype=np.float64)
+        if V.ndim == 0 and self.R == 1:
+            V = V.reshape(1, 1)
         if V.shape == (self.R, self.R):
             V = np.broadcast_to(V, (n, self.R, self.R))
         if V.shape != (n, self.R, self.R) or not np.isfinite(V).all():
@@ -90,10 +93,13 @@ class Channel:
             log_z, mean, cov = self._points(data, omega, Vinv, logdetV)
             return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
         K, d = x0.shape[1], x0.shape[2]
-        rep = lambda a: np.repeat(a, K, axis=0)
-        ev = self._evaluator(rep(data), signs.reshape(-1), rep(omega), rep(Vinv), rep(logdetV))
-        xs, logf, hess = gauss_newton(x0.reshape(n * K, d), ev)
-        centers, hess, logf = xs.reshape(n, K, d), hess.reshape(n, K, d, d), logf.reshape(n, K)
+        centers = np.ascontiguousarray(x0, dtype=np.float64)
+        logf, hess = np.empty((n, K)), np.empty((n, K, d, d))
+        const0 = -0.5 * self.T * (self.R * np.log(2 * np.pi) + logdetV) - 0.5 * self._n_data_noise * np.log(2 * np.pi * max(self._delta, 1e-300))
+        _quadrature.modes(self._route_id, self._jac_kernel.capsule(), self.model.params,
+                          np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0, centers,
+                          np.ascontiguousarray(signs, dtype=np.float64), logf, hess, self.R, self.T,
+                          self._n_node, self._delta, threads=self.threads)
         logf = np.where(np.isfinite(logf), logf, -np.inf)
         best = np.argmax(logf, axis=1)
         centers, hess, A, logh = partition(centers, hess, logf, self._prior(omega, V), self.inflate)
@@ -105,13 +111,10 @@ class Channel:
         if self.error_estimate:
             coarse = self._run(args, max(2, nodes - max(2, nodes // 3)), d) if d <= 4 else None
             error = self._error(fine, coarse, omega, V, Vinv, ref)
-            while self.tol is not None and d <= 4 and (error > self.tol).any() and nodes < 60:
-                redo = np.flatnonzero(error > self.tol)
-                sub = tuple(a[redo] for a in args)
-                nodes += 4
-                better = self._run(sub, nodes, d)
-                prev = tuple(a[redo] for a in fine)
-                error[redo] = self._error(better, prev, omega[redo], V[redo], Vinv[redo], ref[redo])
+        if self.tol is not None:
+            redo = np.flatnonzero(~(error <= self.tol))
+            if redo.size:
+                better, error[redo] = self._adaptive(tuple(a[redo] for a in args), const0[redo], V[redo])
                 for a, b in zip(fine, better):
                     a[redo] = b
         log_z, mean, second = fine
@@ -134,6 +137,23 @@ class Channel:
                               np.ascontiguousarray(ref), self.R, self.T, self._n_node, self._delta,
                               log_z, mean, second, self.threads)
         return log_z, mean, second
+
+    def _adaptive(self, args, const0, V):
+        """Adaptive Genz–Malik cubature of the same partition pieces, to ``tol``."""
+        data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
+        n, RT = len(omega), self.R * self.T
+        scale = np.repeat(np.sqrt(np.diagonal(V, axis1=1, axis2=2)), self.T, axis=1)
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
+        _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
+                                       np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
+                                       np.ascontiguousarray(centers), np.ascontiguousarray(A),
+                                       np.ascontiguousarray(hess), np.ascontiguousarray(logh),
+                                       np.ascontiguousarray(ref), np.ascontiguousarray(scale),
+                                       self.R, self.T, self._n_node, self._delta, self.tol,
+                                       self.max_regions, 8.0, log_z, mean, second, used, achieved,
+                                       self.threads)
+        return (log_z, mean, second), achieved
 
     def _error(self, fine, coarse, omega, V, Vinv, ref):
         """max |Δ(g_out, dg_out)| / max |(g_out, dg_out)| between two rules (QMC: not estimated)."""
@@ -167,7 +187,7 @@ class Channel:
 class ReparamChannel(Channel):
     """Route 1: noiseless softmax deep attention, tied, r = 1 (spec §4 reparametrisation)."""
 
-    route, _route_id, _delta = "reparam", 0, 0.0
+    route, _route_id, _delta, _n_data_noise = "reparam", 0, 0.0, 0
 
     def __init__(self, model, **options):
         spec = model.spec
@@ -226,33 +246,6 @@ class ReparamChannel(Channel):
         out = self._node_kernel(np.concatenate([u, x], axis=1), self.model.params)
         return np.concatenate([x, sign[:, None] * out[:, :T]], axis=1)
 
-    def _evaluator(self, u, sign, omega, Vinv, logdetV):
-        """log f_s(x) = log N([x; s h_L(x)]; ω, V) - log|det Φ(x)|, its gradient and the
-        Gauss–Newton Hessian Dᵀ P D with D = ∂Z/∂x = [I; s ∂h_L/∂x], P = V⁻¹ ⊗ I_T."""
-        T, R = self.T, self.R
-        d = (R - 1) * T
-        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(len(u), R * T, R * T)
-        const = -0.5 * T * (R * np.log(2 * np.pi) + logdetV)
-
-        def evaluate(x, rows):
-            out = self._jac_kernel(np.concatenate([u[rows], x], axis=1), self.model.params)
-            h, logdet = out[:, :T], out[:, T]
-            dhl = out[:, T + 1:].reshape(len(x), T + 1, d)
-            s = sign[rows]
-            Z = np.concatenate([x, s[:, None] * h], axis=1)
-            r = Z - omega[rows].reshape(len(x), -1)
-            Pr = np.einsum("nij,nj->ni", P[rows], r)
-            D = np.concatenate([np.broadcast_to(np.eye(d), (len(x), d, d)),
-                                s[:, None, None] * dhl[:, :T]], axis=1)
-            logf = const[rows] - 0.5 * np.einsum("ni,ni->n", r, Pr) - logdet
-            grad = -np.einsum("nid,ni->nd", D, Pr) - dhl[:, T]
-            hess = np.einsum("nid,nij,nje->nde", D, P[rows], D)
-            bad = ~np.isfinite(logf)
-            logf[bad], grad[bad], hess[bad] = -np.inf, 0.0, np.eye(d)
-            return logf, grad, hess
-
-        return evaluate
-
 
 class NoisyChannel(Channel):
     """Route 2: any differentiable link with Gaussian output noise, P(y|Z) = N(y; g(Z), Δ I)."""
@@ -264,7 +257,7 @@ class NoisyChannel(Channel):
         self._delta = validate.positive("noise", noise)
         self._node_kernel = model.kernel("forward")
         self._jac_kernel = model.kernel("jacobian")
-        self._n_node = int(np.prod(model.output_shape)) if model.output_shape else 1
+        self._n_node = self._n_data_noise = int(np.prod(model.output_shape)) if model.output_shape else 1
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)
@@ -288,32 +281,59 @@ class NoisyChannel(Channel):
         P = np.einsum("nab,ts->natbs", np.linalg.inv(V), np.eye(self.T))
         return omega.reshape(len(V), -1), P.reshape(len(V), self.R * self.T, self.R * self.T)
 
-    def _evaluator(self, y, sign, omega, Vinv, logdetV):
-        """log f(x) = log N(x; ω, V) + log N(y; g(x), Δ), gradient, Gauss–Newton Hessian
-        P + Jᵀ J / Δ."""
-        T, R, delta, k = self.T, self.R, self._delta, self._n_node
-        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(len(y), R * T, R * T)
-        const = -0.5 * T * (R * np.log(2 * np.pi) + logdetV) - 0.5 * k * np.log(2 * np.pi * delta)
 
-        def evaluate(x, rows):
-            out = self._jac_kernel(x, self.model.params)
-            g, J = out[:, :k], out[:, k:].reshape(len(x), k, R * T)
-            r = x - omega[rows].reshape(len(x), -1)
-            Pr = np.einsum("nij,nj->ni", P[rows], r)
-            res = y[rows] - g
-            logf = const[rows] - 0.5 * np.einsum("ni,ni->n", r, Pr) - 0.5 * (res ** 2).sum(1) / delta
-            grad = -Pr + np.einsum("nki,nk->ni", J, res) / delta
-            hess = P[rows] + np.einsum("nki,nkj->nij", J, J) / delta
-            return logf, grad, hess
+class ClosedChannel:
+    """Route 3: a closed form derived by SymPy (derive.closed) for a one-index, one-token link:
+    affine links with Gaussian noise, sign(z) without noise.  No quadrature, ``error`` = 0."""
 
-        return evaluate
+    route = "closed"
+
+    def __init__(self, model, noise: float | None = None, threads: int | None = None):
+        from derive.closed import closed_form_program
+        from derive.registry import KernelSpec
+        from .kernels import Kernel
+        link = model.link
+        if (link.indices, link.tokens) != (1, 1):
+            raise ValueError(f"route='closed' needs one index and one token (R = T = 1); "
+                             f"{link.name!r} has R = {link.indices}, T = {link.tokens}")
+        self.model, self.R, self.T = model, 1, 1
+        self.params = model.params if noise is None else np.append(model.params, validate.positive("noise", noise))
+        g = link.expr[0, 0]
+        name = f"{link.key}_{'noisy' if noise is not None else 'noiseless'}"
+        program = closed_form_program(name, g, link.params, noisy=noise is not None)
+        if program is None:
+            raise ValueError(f"link {link.name!r} has no elementary closed-form channel "
+                             f"({'noisy' if noise is not None else 'noiseless'}); use route='noisy'")
+        spec = KernelSpec(program.name, program.name, lambda: program)
+        self._kernel = Kernel(spec, model.backend, threads=threads or 0)
+
+    def moments(self, y, omega, V) -> Moments:
+        omega, _ = validate.batch("omega", omega, (1, 1))
+        n = len(omega)
+        y = np.asarray(y, dtype=np.float64).reshape(-1)
+        if y.shape != (n,) or not np.isfinite(y).all():
+            raise ValueError(f"y must hold {n} finite scalar outputs, got shape {np.shape(y)}")
+        V = np.broadcast_to(np.asarray(V, dtype=np.float64).reshape(-1), (n,)) if np.size(V) in (1, n) else None
+        if V is None or not (V > 0).all():
+            raise ValueError("V must be positive (a (1, 1) matrix or one per sample)")
+        out = self._kernel(np.stack([y, omega.reshape(n), V], axis=1), self.params)
+        bad = first_bad_row(out)
+        if bad is not None:
+            raise FloatingPointError(f"non-finite channel moment at sample {bad} (closed route)")
+        return Moments(log_z=out[:, 0], g_out=out[:, 1].reshape(n, 1, 1),
+                       dg_out=out[:, 2].reshape(n, 1, 1), error=np.zeros(n))
 
 
-def make_channel(model, route: str | None = None, noise: float | None = None, **options) -> Channel:
+def make_channel(model, route: str | None = None, noise: float | None = None, **options):
     """The channel of ``model``: ``noise`` > 0 selects the noisy route; otherwise the
-    reparametrisation for tied softmax deep attention with r = 1."""
+    reparametrisation for tied softmax deep attention with r = 1, or the SymPy closed form for
+    a one-index link (``route="closed"`` also with noise)."""
     if route is None:
-        route = "noisy" if noise is not None else "reparam"
+        route = "noisy" if noise is not None else ("reparam" if hasattr(model, "spec") else "closed")
+    if route == "closed":
+        if hasattr(model, "spec"):
+            raise ValueError("route='closed' is for registered one-index links (LinkModel)")
+        return ClosedChannel(model, noise, threads=options.get("threads"))
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "noisy":

@@ -36,39 +36,6 @@ def sobol_normal(n: int, d: int, rng: np.random.Generator) -> tuple[np.ndarray, 
     return np.ascontiguousarray(xi), np.full(n, -np.log(n)) - _log_phi(xi)
 
 
-def gauss_newton(x0: np.ndarray, evaluate, iterations: int = 30, tol: float = 1e-10):
-    """Maximise log f from each row of ``x0`` (m, d) by damped Gauss–Newton.
-
-    ``evaluate(x, rows) -> (logf, grad (…, d), hess (…, d, d))`` at the points x of the given
-    rows of ``x0``, with ``hess`` the (positive definite) Gauss–Newton approximation of
-    -∇² log f.  Steps are halved until log f does not
-    decrease.  Returns (x, logf, hess) at the end point."""
-    x = x0.copy()
-    logf, grad, hess = evaluate(x, np.arange(len(x)))
-    active = np.ones(len(x), dtype=bool)
-    for _ in range(iterations):
-        idx = np.flatnonzero(active)
-        if idx.size == 0:
-            break
-        step = np.linalg.solve(hess[idx], grad[idx][..., None])[..., 0]
-        t = np.ones(idx.size)
-        accepted = np.zeros(idx.size, dtype=bool)
-        for _ in range(30):
-            todo = ~accepted
-            if not todo.any():
-                break
-            trial = x[idx[todo]] + t[todo, None] * step[todo]
-            lf, g, h = evaluate(trial, idx[todo])
-            better = lf >= logf[idx[todo]] - 1e-12 * np.abs(logf[idx[todo]])
-            rows = idx[todo][better]
-            x[rows], logf[rows], grad[rows], hess[rows] = trial[better], lf[better], g[better], h[better]
-            accepted[np.flatnonzero(todo)[better]] = True
-            t[todo] *= 0.5
-        small = np.einsum("ij,ijk,ik->i", step, hess[idx], step) < tol ** 2
-        active[idx[small | ~accepted]] = False
-    return x, logf, hess
-
-
 def partition(centers, hess, logf, prior=None, inflate: float = 1.0, prune: float = 40.0,
               same: float = 0.05, floor: float = 20.0):
     """Components of the partition of unity.  Laplace modes (``centers`` (n, K, d), GN ``hess``,

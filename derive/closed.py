@@ -1,0 +1,69 @@
+"""Closed-form output channels, derived by SymPy where the integral is elementary (spec §4,
+route 3): one index, one token (R = T = 1).
+
+    Z_out(y; ω, V) = ∫ N(z; ω, V) P(y|z) dz,   g_out = ∂_ω log Z_out,   ∂_ω g_out = ∂²_ω log Z_out
+
+- Gaussian output noise, P(y|z) = N(y; g(z), Δ): elementary when g is affine in z.
+- Noiseless sign-type output g(z) = sign(z), y ∈ {−1, +1}: P(y|z) = Θ(y z), giving erf forms.
+
+``closed_form_program`` returns None when SymPy cannot do the integral in closed form.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .attention import index_symbols
+from .program import Program
+
+Z = index_symbols(1, 1)[0, 0]          # the index symbol z_0_0 that links are written in
+OMEGA, Y = sp.symbols("omega y", real=True)
+V, DELTA = sp.symbols("V Delta", positive=True)
+
+
+class erfc(sp.erfc):
+    """erfc that keeps erfc(-x) as it is (SymPy rewrites it as 2 - erfc(x), which cancels)."""
+
+    @classmethod
+    def eval(cls, arg):
+        return None
+
+
+def _gauss(x, mean, var):
+    return sp.exp(-(x - mean) ** 2 / (2 * var)) / sp.sqrt(2 * sp.pi * var)
+
+
+def _is_sign(g) -> bool:
+    return sp.simplify(g - sp.sign(Z)) == 0
+
+
+def partition_function(g, noisy: bool):
+    """Z_out(y; ω, V) for the link g(z) (an expression in ``Z``), or None if not elementary."""
+    prior = _gauss(Z, OMEGA, V)
+    if noisy:
+        if sp.diff(g, Z, 2) != 0:
+            return None
+        value = sp.integrate(prior * _gauss(Y, g, DELTA), (Z, -sp.oo, sp.oo))
+    elif _is_sign(g):   # Θ(yz), y = ±1: the integral over z < 0 at -yω (z → -z), in stable erfc form
+        minus = sp.integrate(prior, (Z, -sp.oo, 0)).replace(sp.erfc, erfc)
+        value = minus.subs(OMEGA, -Y * OMEGA)
+    else:
+        return None
+    return None if value.has(sp.Integral) else value
+
+
+def closed_form_program(name: str, g, params=(), noisy: bool = False) -> Program | None:
+    """Kernel (y, ω, V) → (log Z_out, g_out, ∂_ω g_out) for a scalar link ``g`` of ``Z``;
+    runtime parameters: the link's ``params`` (+ Δ when ``noisy``)."""
+    Zout = partition_function(g, noisy)
+    if Zout is None:
+        return None
+    params = tuple(params) + ((DELTA,) if noisy else ())
+    prog = Program(f"{name}_closed", {"y": sp.Matrix([[Y]]), "omega": sp.Matrix([[OMEGA]]),
+                                      "V": sp.Matrix([[V]])}, params,
+                   source="derive.closed.closed_form_program")
+    log_z = sp.expand_log(sp.log(Zout), force=True)
+    g_out = sp.simplify(sp.diff(log_z, OMEGA))
+    dg_out = sp.simplify(sp.diff(g_out, OMEGA))
+    for name, expr in (("log_z", log_z), ("g_out", g_out), ("dg_out", dg_out)):
+        prog.outputs[name] = sp.Matrix([[prog.assign(name, expr)]])
+    return prog
