@@ -521,6 +521,35 @@ cdef double _region(Sample* s, int m, const double* c, const double* h, double* 
     return err
 
 
+cdef inline void _heap_push(int* heap, int* size, const double* key, int k) noexcept nogil:
+    """Max-heap of region indices ordered by ``key``."""
+    cdef int i = size[0], parent
+    size[0] += 1
+    while i > 0:
+        parent = (i - 1) // 2
+        if key[heap[parent]] >= key[k]:
+            break
+        heap[i] = heap[parent]
+        i = parent
+    heap[i] = k
+
+
+cdef inline int _heap_pop(int* heap, int* size, const double* key) noexcept nogil:
+    cdef int top = heap[0], last, i = 0, child
+    size[0] -= 1
+    last = heap[size[0]]
+    while 2 * i + 1 < size[0]:
+        child = 2 * i + 1
+        if child + 1 < size[0] and key[heap[child + 1]] > key[heap[child]]:
+            child += 1
+        if key[last] >= key[heap[child]]:
+            break
+        heap[i] = heap[child]
+        i = child
+    heap[i] = last
+    return top
+
+
 cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol, int max_regions,
                         double* log_z, double* mean, double* second, int* used,
                         double* achieved) noexcept nogil:
@@ -529,8 +558,10 @@ cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol
     cdef double* rh = rc + max_regions * d
     cdef double* rerr = rh + max_regions * d
     cdef double* rS = rerr + max_regions
-    cdef int* rm = <int*> malloc(2 * max_regions * sizeof(int))
+    cdef int* rm = <int*> malloc(3 * max_regions * sizeof(int))
     cdef int* raxis = rm + max_regions
+    cdef int* heap = raxis + max_regions
+    cdef int size = 0
     cdef double* scratch = <double*> malloc((n + d) * sizeof(double))
     cdef double err_total = 0.0, mass = 0.0, worst
     for m in range(s.M):
@@ -547,11 +578,10 @@ cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol
             err_total += rerr[count]
             mass += rS[count * n]
             count += 1
+    for k in range(count):
+        _heap_push(heap, &size, rerr, k)
     while err_total > tol * fabs(mass) and count < max_regions:
-        best, worst = 0, -1.0
-        for k in range(count):
-            if rerr[k] > worst:
-                best, worst = k, rerr[k]
+        best = _heap_pop(heap, &size, rerr)
         ax = raxis[best]
         err_total -= rerr[best]
         mass -= rS[best * n]
@@ -568,6 +598,7 @@ cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol
             rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, scale, raxis + k)
             err_total += rerr[k]
             mass += rS[k * n]
+            _heap_push(heap, &size, rerr, k)
     for i in range(n):
         scratch[i] = 0.0
     for k in range(count):

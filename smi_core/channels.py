@@ -30,6 +30,7 @@ from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
 DEFAULT_NODES = {1: 40, 2: 14, 3: 9, 4: 7}
+QMC_SCRAMBLES = 4
 
 
 @dataclass
@@ -106,11 +107,18 @@ class Channel:
         ref = self._point(data, centers[np.arange(n), best], signs.reshape(n, K)[np.arange(n), best])
         args = (data, omega, Vinv, logdetV, centers, A, hess, logh, ref)
         nodes = self.nodes or DEFAULT_NODES.get(d, 0)
-        fine = self._run(args, nodes, d)
-        error = np.full(n, np.nan)
-        if self.error_estimate:
-            coarse = self._run(args, max(2, nodes - max(2, nodes // 3)), d) if d <= 4 else None
-            error = self._error(fine, coarse, omega, V, Vinv, ref)
+        if d <= 4:      # tensor Gauss–Hermite; error: the difference to a coarser rule
+            fine = self._run(args, gauss_hermite(nodes, d))
+            error = np.full(n, np.nan)
+            if self.error_estimate:
+                coarse = self._run(args, gauss_hermite(max(1, nodes - max(2, nodes // 3)), d))
+                error = self._spread([fine, coarse], omega, V, Vinv, ref)
+        else:           # randomised QMC: independent scramblings; error: their standard error
+            rng = np.random.default_rng(self.seed)
+            runs = [self._run(args, sobol_normal(self.qmc_points // QMC_SCRAMBLES, d, rng))
+                    for _ in range(QMC_SCRAMBLES)]
+            fine = _combine(runs)
+            error = self._spread(runs, omega, V, Vinv, ref) / np.sqrt(QMC_SCRAMBLES)
         if self.tol is not None:
             redo = np.flatnonzero(~(error <= self.tol))
             if redo.size:
@@ -122,13 +130,11 @@ class Channel:
         cov = second - mean[:, :, None] * mean[:, None, :]
         return self._assemble(omega, V, Vinv, log_z, mean_abs, cov, error)
 
-    def _run(self, args, nodes, d):
+    def _run(self, args, rule):
+        """One pass of the rule (ξ, lw) over every partition piece."""
         data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
+        xi, lw = rule
         n, RT = len(omega), self.R * self.T
-        if d <= 4:
-            xi, lw = gauss_hermite(nodes, d)
-        else:
-            xi, lw = sobol_normal(self.qmc_points, d, np.random.default_rng(self.seed))
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         _quadrature.integrate(self._route_id, self._node_kernel.capsule(), self.model.params,
                               np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, logdetV,
@@ -155,17 +161,19 @@ class Channel:
                                        self.threads)
         return (log_z, mean, second), achieved
 
-    def _error(self, fine, coarse, omega, V, Vinv, ref):
-        """max |Δ(g_out, dg_out)| / max |(g_out, dg_out)| between two rules (QMC: not estimated)."""
-        if coarse is None:
-            return np.full(len(omega), np.nan)
+    def _spread(self, runs, omega, V, Vinv, ref):
+        """max over (g_out, dg_out) entries of the spread between runs (two rules: their
+        difference; several scramblings: their standard deviation), over the largest entry."""
+        n = len(omega)
         parts = []
-        for log_z, mean, second in (fine, coarse):
+        for log_z, mean, second in runs:
             cov = second - mean[:, :, None] * mean[:, None, :]
             m = self._assemble(omega, V, Vinv, log_z, ref + mean, cov, None, check=False)
-            parts.append(np.concatenate([m.g_out.reshape(len(omega), -1), m.dg_out.reshape(len(omega), -1)], 1))
-        scale = np.abs(parts[0]).max(axis=1)
-        return np.abs(parts[0] - parts[1]).max(axis=1) / np.where(scale > 0, scale, 1.0)
+            parts.append(np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1))
+        parts = np.array(parts)
+        spread = np.abs(parts[0] - parts[1]) if len(parts) == 2 else parts.std(axis=0, ddof=1)
+        scale = np.abs(parts).max(axis=(0, 2))
+        return spread.max(axis=1) / np.where(scale > 0, scale, 1.0)
 
     def _assemble(self, omega, V, Vinv, log_z, mean, cov, error, check=True) -> Moments:
         n, R, T = len(omega), self.R, self.T
@@ -182,6 +190,17 @@ class Channel:
                 raise FloatingPointError(f"non-finite channel moment at sample {bad} "
                                          f"({self.route} route)")
         return Moments(log_z=log_z, g_out=g_out, dg_out=dg_out, error=error)
+
+
+def _combine(runs):
+    """Moments from several independent estimates: mass-weighted average."""
+    log_z = np.array([r[0] for r in runs])
+    top = log_z.max(axis=0)
+    w = np.exp(log_z - top)
+    total = w.sum(axis=0)
+    mean = sum(wk[:, None] * r[1] for wk, r in zip(w, runs)) / total[:, None]
+    second = sum(wk[:, None, None] * r[2] for wk, r in zip(w, runs)) / total[:, None, None]
+    return top + np.log(total / len(runs)), mean, second
 
 
 class ReparamChannel(Channel):

@@ -119,6 +119,7 @@ class DeepAttention(SMIModel):
         (spec §4, r = 1): u_L from the log-ratios of y, h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L, log|det Φ⁽ᴸ⁻¹⁾|.
         Raises ValueError for y outside the softmax range or with no consistent pre-image."""
         T, L = self.tokens, self.layers
+        kernel = self.kernel("reparam")     # before the shape checks, which assume r = 1
         y, _ = validate.batch("y", y, (T, T))
         validate.softmax_output("y", y)
         h_prev = np.zeros((len(y), 0, T)) if L == 1 and h_prev is None else h_prev
@@ -128,16 +129,20 @@ class DeepAttention(SMIModel):
         if len(h_prev) != len(y):
             raise ValueError(f"y and h_prev must have the same number of samples, got {len(y)} and {len(h_prev)}")
         x = np.concatenate([y.reshape(len(y), -1), h_prev.reshape(len(y), -1)], axis=1)
-        out = self.kernel("reparam")(x, self.params)
+        out = kernel(x, self.params)
         u, h, logdet, resid = out[:, :T], out[:, T:2 * T], out[:, 2 * T], out[:, 2 * T + 1:]
         logratio = np.abs(np.log(y)).reshape(len(y), -1).max(axis=1)
-        bad = first_bad_row(out[:, :2 * T])
+        bad = first_bad_row(u)
         if bad is None:
             off = np.abs(resid).max(axis=1, initial=0.0) > tol * np.maximum(1.0, logratio)
             bad = int(np.argmax(off)) if off.any() else None
         if bad is not None:
             raise ValueError(f"y has no consistent pre-image σ_β(u uᵀ) (sample {bad}): its log-ratios "
                              "log(y_ts/y_tt) are not of the form β u_t (u_s - u_t)")
+        bad = first_bad_row(h)
+        if bad is not None:
+            raise ValueError(f"h_prev gives a singular mixing matrix Φ⁽ᴸ⁻¹⁾ (sample {bad}): "
+                             "h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L is not finite")
         return Reparametrisation(u=u, h=h, logdet=logdet)
 
 

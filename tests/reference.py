@@ -23,7 +23,8 @@ mpmath context is used, so the global ``mpmath.mp.dps`` is left alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
 import mpmath
 import numpy as np
@@ -127,6 +128,7 @@ class Model:
     link: str = "softmax"
     heads: int = 1
     readout: tuple | None = None      # layers × heads (multihead); default 1/heads
+    perturb: tuple | None = None      # (δ, seed): every intermediate value × (1 ± δ), see below
 
     @property
     def width(self) -> int:
@@ -136,6 +138,16 @@ class Model:
     @property
     def indices(self) -> int:
         return self.layers * self.width
+
+    def _p(self, A: list, *tag) -> list:
+        """A with every entry multiplied by a fixed factor 1 + δξ, ξ = ±1 drawn once per
+        (seed, tag, entry), when the model is ``perturb``-ed; A itself otherwise.  The factors do
+        not depend on Z, so the perturbed model is as smooth as the model."""
+        if self.perturb is None:
+            return A
+        delta, seed = mp.mpf(self.perturb[0]), self.perturb[1]
+        sign = lambda i, j: 1 - 2 * (zlib.crc32(f"{seed}:{tag}:{i}:{j}".encode()) & 1)
+        return [[x * (1 + delta * sign(i, j)) for j, x in enumerate(row)] for i, row in enumerate(A)]
 
     def _readout(self, layer: int, head: int):
         if self.readout is None:
@@ -150,27 +162,27 @@ class Model:
         r = self.rank
         rows = Z[layer * self.width:(layer + 1) * self.width]
         if self.architecture == "untied":
-            uk = matmul(Phi, transpose(rows[:r]))
-            uq = matmul(Phi, transpose(rows[r:]))
-            return [matmul(uq, transpose(uk))]
+            uk = self._p(matmul(Phi, transpose(rows[:r])), "uk", layer)
+            uq = self._p(matmul(Phi, transpose(rows[r:])), "uq", layer)
+            return [self._p(matmul(uq, transpose(uk)), "M", layer)]
         heads = self.heads if self.architecture == "multihead" else 1
         out = []
         for k in range(heads):
-            u = matmul(Phi, transpose(rows[k * r:(k + 1) * r]))
-            out.append(matmul(u, transpose(u)))
+            u = self._p(matmul(Phi, transpose(rows[k * r:(k + 1) * r])), "u", layer, k)
+            out.append(self._p(matmul(u, transpose(u)), "M", layer, k))
         return out
 
     def attention(self, Phi: list, Z: list, layer: int, link: str = "softmax") -> list:
         """A_ℓ (or the output, for the last layer): the link of this layer's logits, combined
         over heads with the readout weights when multi-head."""
         f, beta = LINKS[link], mp.mpf(self.beta)
-        mats = [f(M, beta) for M in self.layer_logits(Phi, Z, layer)]
+        mats = [self._p(f(M, beta), "A", layer, k) for k, M in enumerate(self.layer_logits(Phi, Z, layer))]
         if self.architecture != "multihead":
             return mats[0]
         total = zeros(self.tokens)
         for k, A in enumerate(mats):
             total = add(total, scale(self._readout(layer, k), A))
-        return total
+        return self._p(total, "sum", layer)
 
     def mixing_mp(self, Z: list, upto: int | None = None) -> list:
         """Φ⁽ᵘᵖᵗᵒ⁾ (default Φ⁽ᴸ⁻¹⁾) from the index rows Z: only the first ``upto`` layers' rows
@@ -181,7 +193,7 @@ class Model:
         Phi = eye(T)
         for layer in range(upto):
             A = self.attention(Phi, Z, layer, "softmax")
-            Phi = matmul(add(scale(c, eye(T)), A), Phi)
+            Phi = self._p(matmul(add(scale(c, eye(T)), A), Phi), "Phi", layer)
         return Phi
 
     def forward_mp(self, Z: list) -> list:
@@ -219,23 +231,24 @@ class Model:
         return np.stack([to_float(jacobian_mp(self.forward_mp, to_mp(z))) for z in np.asarray(Z)])
 
     def jacobian_sensitivity(self, Z, delta: float = 1e-13, draws: int = 2, seed: int = 0) -> np.ndarray:
-        """S (n,): how much the exact Jacobian moves under relative input perturbations of size
-        ``delta``, max over ``draws`` random sign patterns ξ of max|J(Z∘(1 + δξ)) - J(Z)|.
+        """S (n,): how far the exact Jacobian moves when the inputs and every intermediate value
+        (logits, u_ℓ, attention matrices, Φ⁽ℓ⁾) are multiplied by fixed random factors 1 ± δ:
+        max over ``draws`` such perturbations of max|J_perturbed - J|.
 
-        Any float64 evaluation of ∂y/∂Z carries rounding errors that act like such perturbations,
-        so an error below S reflects the conditioning of the Jacobian at Z (e.g. when u_L is
-        nearly constant, so that y depends on Z only through small differences of large numbers),
-        not a defect of the algorithm."""
+        Rounding in any float64 evaluation acts like such perturbations, so an error below S
+        reflects the conditioning of the Jacobian at Z, not a defect of the algorithm: e.g. when
+        u_L is nearly constant, y depends on Z only through small differences of large numbers;
+        or when ∂y/∂h_L relies on the rows of the attention matrices summing exactly to one."""
         rng = np.random.default_rng(seed)
         out = []
         for z in np.asarray(Z, dtype=np.float64):
             J = jacobian_mp(self.forward_mp, to_mp(z))
             worst = mp.zero
-            for _ in range(draws):
+            for k in range(draws):
                 xi = rng.choice([-1.0, 1.0], size=z.shape)
                 zp = [[x * (1 + mp.mpf(delta) * mp.mpf(e)) for x, e in zip(row, erow)]
                       for row, erow in zip(to_mp(z), xi)]
-                Jp = jacobian_mp(self.forward_mp, zp)
+                Jp = jacobian_mp(replace(self, perturb=(delta, seed + k)).forward_mp, zp)
                 worst = max(worst, max(abs(a - b) for ra, rb in zip(J, Jp) for a, b in zip(ra, rb)))
             out.append(float(worst))
         return np.array(out)
@@ -267,6 +280,45 @@ class Model:
     def last_layer_vector(self, Z) -> np.ndarray:
         """u_L (n, T) for a batch (n, L, T) of tied rank-1 index rows."""
         return np.stack([to_float(self.last_layer_vector_mp(to_mp(z))) for z in np.asarray(Z)])
+
+    def reparam_sensitivity(self, Z) -> tuple[np.ndarray, np.ndarray]:
+        """(A_u, A_h), each (n,): first-order bounds on how far u_L and h_L move per unit
+        relative perturbation of the entries of y and of Φ⁽ᴸ⁻¹⁾ (tied, rank 1):
+
+            |δu| ≤ δ·K,  K = |J⁺| |y|,  J = ∂y/∂u at u_L, J⁺ = (JᵀJ)⁻¹Jᵀ
+            |δh| ≤ δ·(|Φ⁻¹| K + |Φ⁻¹| |Φ| |h_L|)
+
+        A_u = max K, A_h = max of the second bound (δ = 1).  Computed at 50 digits (J⁺ by QR), so
+        a nearly singular J (u_L nearly constant: y nearly uniform, u_L barely identifiable) or Φ
+        shows up as a huge A instead of being truncated; inf when J or Φ is singular to within
+        1e-30 (e.g. h_L constant across tokens: then u_L is constant, since Φ 1 = (1+c)^(L-1) 1,
+        and y is uniform)."""
+        T = self.tokens
+        last = Model(1, T, 1, beta=self.beta)
+        A_u, A_h = [], []
+        for z in np.asarray(Z, dtype=np.float64):
+            zm = to_mp(z)
+            u = self.last_layer_vector_mp(zm)
+            y = [x for row in last.forward_mp([u]) for x in row]
+            J = mp.matrix(jacobian_mp(last.forward_mp, [u]))
+            Phi = mp.matrix(self.mixing_mp(zm))
+            Q, R = mp.qr(J, mode="skinny")            # J⁺ = R⁻¹ Qᵀ
+            diag = [abs(R[i, i]) for i in range(T)]
+            tiny = mp.mpf(10) ** (20 - mp.dps)
+            scale = max(abs(x) for row in Phi.tolist() for x in row) ** T
+            if min(diag) <= tiny * max(diag) or abs(mp.det(Phi)) <= tiny * scale:
+                A_u.append(np.inf)                    # singular to within 50-digit rounding
+                A_h.append(np.inf)
+                continue
+            P = mp.inverse(R) * Q.T
+            Pinv = mp.inverse(Phi)
+            K = [mp.fsum(abs(P[i, k]) * abs(y[k]) for k in range(T * T)) for i in range(T)]
+            h = zm[self.layers - 1]
+            PhiH = [mp.fsum(abs(Phi[i, j]) * abs(h[j]) for j in range(T)) for i in range(T)]
+            bound = [mp.fsum(abs(Pinv[i, j]) * (K[j] + PhiH[j]) for j in range(T)) for i in range(T)]
+            A_u.append(float(max(K)))
+            A_h.append(float(max(bound)))
+        return np.array(A_u), np.array(A_h)
 
     def logit_sizes(self, Z) -> np.ndarray:
         """max |β·logit| of each sample (n,)."""
@@ -300,20 +352,22 @@ def jacobian_mp(f, Z: list, step=FD_STEP, dps=FD_DPS) -> list:
     """∂f/∂Z by central differences: rows = entries of f(Z) flattened row-major, columns =
     Z[a][t] ↦ a·T + t.
 
-    The step is step · max(|Z[a][t]|, s) with s = max|Z| the scale of the sample, and f is
-    evaluated at ``dps`` digits (plus 2 digits per decade that s lies below 1), so that the
-    cancellation error ≈ 10^-digits / step stays an absolute error far below the smallest
-    derivatives of interest: a saturated softmax has derivatives down to ≈ 1e-44 next to
-    entries ≈ 1, and inputs of scale s ≪ 1 give derivatives of order β·s."""
+    Each input gets a relative step, step · |Z[a][t]| (step · 1e-3 · max|Z| for a zero entry),
+    and f is evaluated at ``dps`` digits plus 2 digits per decade that the smallest of these
+    scales lies below 1, so that the cancellation error ≈ 10^-digits / step stays far below the
+    smallest derivatives of interest: a saturated softmax has derivatives down to ≈ 1e-44 next
+    to entries ≈ 1, and an input of scale s ≪ 1 gives derivatives of order β·s."""
     T = len(Z[0])
     s = max(abs(x) for row in Z for x in row)
-    extra = 0 if s == 0 or s >= 1 else 2 * int(mp.ceil(-mp.log10(s)))
+    scales = [[abs(x) if x != 0 else (s / 1000 if s > 0 else mp.one) for x in row] for row in Z]
+    smallest = min(x for row in scales for x in row)
+    extra = 0 if smallest >= 1 else 2 * int(mp.ceil(-mp.log10(smallest)))
     cols = []
     with mp.workdps(dps + extra):
         step = mp.mpf(step)
         for a in range(len(Z)):
             for t in range(T):
-                h = step * max(abs(Z[a][t]), s) if s > 0 else step
+                h = step * scales[a][t]
                 plus = [list(row) for row in Z]
                 minus = [list(row) for row in Z]
                 plus[a][t] += h

@@ -1,0 +1,69 @@
+"""Channel moments (log Z_out, g_out and the full Jacobian ∂_ω g_out): microseconds per sample
+on one core, and the accuracy reached against the independent mpmath reference of
+tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry).
+
+Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ.
+Targets (issue 3): two-layer T = 2 route "reparam" ≤ 50 µs per sample at ≤ 1e-6; three-layer
+T = 2 ≤ 2 ms per sample at ≤ 1e-4.
+
+    python benchmarks/channels.py [--timing-samples N] [--reference-samples K]
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import channel_reference as ref  # noqa: E402
+
+from smi_core import DeepAttention  # noqa: E402
+
+CASES = [  # (route, layers, tokens, noise, reference function, settings)
+    ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
+    ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"tol": 1e-6}]),
+    ("reparam", 3, 2, None, ref.reparam_l3, [{}, {"tol": 1e-4}]),
+    ("noisy", 1, 2, 0.1, lambda y, o, V: ref.noisy_l1(y, o, V, noise=0.1), [{}, {"tol": 1e-6}]),
+]
+
+
+def draws(model, q, n, rng, noise):
+    L, T = model.layers, model.tokens
+    omega = np.sqrt(q) * rng.standard_normal((n, L, T))
+    Z = omega + np.sqrt(1 - q) * rng.standard_normal((n, L, T))
+    y = model.forward(Z)
+    if noise:
+        y = y + np.sqrt(noise) * rng.standard_normal(y.shape)
+    keep = (y > 0).all(axis=(1, 2)) if not noise else np.ones(n, bool)
+    return y[keep], omega[keep], (1 - q) * np.eye(L)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--timing-samples", type=int, default=500)
+    p.add_argument("--reference-samples", type=int, default=6)
+    p.add_argument("--q", type=float, nargs="+", default=[0.3, 0.9])
+    a = p.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"{'route':8s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':12s} {'us/sample':>10s} "
+          f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
+    for route, L, T, noise, reference, settings in CASES:
+        model = DeepAttention(L, T, threads=1)
+        for q in a.q:
+            y, omega, V = draws(model, q, a.timing_samples, rng, noise)
+            refs = [reference(y[i], omega[i], V) for i in range(min(a.reference_samples, len(y)))]
+            for setting in settings:
+                channel = model.channel(noise=noise, threads=1, **setting)
+                channel.moments(y[:4], omega[:4], V)
+                start = time.perf_counter()
+                m = channel.moments(y, omega, V)
+                us = (time.perf_counter() - start) / len(y) * 1e6
+                errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
+                label = ",".join(f"{k}={v:g}" for k, v in setting.items()) or "default"
+                print(f"{route:8s} {L:2d} {T:2d} {q:5.2f} {label:12s} {us:10.1f} {np.median(errs):11.1e} "
+                      f"{np.max(errs):9.1e} {np.nanmedian(m.error):18.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

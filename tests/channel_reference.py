@@ -1,0 +1,865 @@
+"""Ground truth for the output-channel tests (spec §4): g_out and ∂_ω g_out by quadrature.
+
+Written from spec/SMI.md §2 and §4 alone, independently of derive/, codegen/ and smi_core/
+(only numpy, scipy.optimize and mpmath).  For Z ∈ R^{R×T} with independent columns
+Z[:, t] ~ N(ω[:, t], V) and the posterior ∝ N(Z; ω, V) P(y|Z):
+
+    g_out = V⁻¹ (E[Z|y] - ω),   dg_out[(a,t),(b,s)] = (V⁻¹ Cov(Z_t, Z_s|y) V⁻¹)_ab - V⁻¹_ab δ_ts.
+
+Cases (r = 1, tied softmax deep attention, skip c > 0, inverse temperature β):
+
+- ``reparam_l1``  noiseless, L = 1, any T: the posterior is two points Z = ±u (closed form, mpmath).
+- ``reparam_l2``  noiseless, L = 2, T = 2: x = h_1 ∈ R², Z = [x; ±h_2(x)], h_2 = Φ(x)⁻¹u,
+                  posterior density ∝ Σ_± N(Z; ω, V) / |det Φ(x)|  (2-D integral, mpmath).
+- ``noisy_l1``    P(y|Z) = N(y; σ_β(h hᵀ), Δ I), L = 1, T = 2: x = h ∈ R²  (2-D integral, mpmath;
+                  log Z_out exact).
+- ``reparam_l3``  noiseless, L = 3, T = 2: x = (h_1, u_2) ∈ R⁴ with u_2 = Φ⁽¹⁾h_2ᵀ (so that every
+                  softmax cliff is a coordinate line, see below), Z = [h_1; Φ⁽¹⁾⁻¹u_2; ±h_3],
+                  h_3 = Φ⁽²⁾⁻¹u_3, density ∝ Σ_± N(Z; ω, V) / (|det(cI + σ_β(u_2u_2ᵀ))| |det Φ⁽¹⁾|²)
+                  (dh_2 = du_2/|det Φ⁽¹⁾|); 4-D, float64 only (see "Accuracy").
+
+u_L from y (r = 1): log(y_ts/y_tt) = β u_t(u_s - u_t); T = 2: a = log(y₁₁/y₁₂)/β,
+b = log(y₂₂/y₂₁)/β, u = (a, -b)/√(a+b); T > 2: the rank-one construction in ``u_from_y``.
+The log-ratio form uses y itself (not 1 - y), so it is exact for y as given even when a
+row is not exactly stochastic in float64 (an entry 1 - 1e-13 is stored with 1e-3 relative error
+in its complement, but the small entry itself is exact).
+
+Method (2-D and 4-D integrals).  The moments Σ_± ∫ e^{ℓ_±(x) - ℓ*} [1, w, w wᵀ] dx are integrated
+together, w = (L_V⁻¹ ⊗ I_T)(Z - Z_ref) the index vector whitened by the Cholesky factor of V and
+centred on the highest mode, so every component is O(mass) and one absolute tolerance fits all.
+
+1. Box: x_t ∈ ω_t ± K √V_tt per coordinate (u_2: ± (c+1)(max|ω_2| + K√V_22)), K = 12 or more.
+   The mass and second moments outside the box are bounded by the Gaussian tail times the sup of
+   the other factors (``_tail_bound``: det Φ ≥ c(c+1) for T = 2, |h| ≤ (√2/c)|u| per inverse Φ,
+   E[|x|²; out] ≤ √(E|x|⁴ · P_out)); K grows until this bound is below 1e-14 of the mass.
+2. Modes: every local maximum of ℓ_± on a grid over the box, refined by L-BFGS-B, with a
+   finite-difference Hessian (Laplace width).  They only place breakpoints: nothing below rests
+   on them being right.
+3. Nested, globally adaptive Gauss–Legendre (``_adaptive``), batched over all outer nodes:
+   x_k is integrated for every prefix x_{<k}; the breakpoints of level k are the box ends, the
+   softmax cliffs, and each mode's conditional (Laplace) centre ± {0, 1, 3, 8} conditional sd.
+   Cliffs: a softmax row of logits β x_t x_s switches where x_t = 0 or x_s = x_s', i.e. on the
+   lines x_k = 0 and x_k = x_j (j < k, same block); with h_1 = (a, b) those are a = 0 (outer),
+   b = 0 and b = a (inner).  Each panel's error is |GL_n(panel) - GL_n(halves)| plus the inner
+   levels' error; panels are bisected until Σ error ≤ tol · (Laplace mass), inner levels get
+   an absolute tolerance scaled by 1/(box width), so negligible tails cost nothing.
+4. (2-D cases) The rule that was certified (the parent Gauss–Legendre nodes of the final
+   panels, outer × inner) is evaluated again in mpmath at 32 digits, including the final
+   assembly of g_out and dg_out (the subtraction V⁻¹CovV⁻¹ - V⁻¹ and the inverse of V are done
+   in mpmath too).  Nodes whose float64 contribution is below 1e-20 of the mass are skipped;
+   their total is added to the error bound.
+
+Accuracy.  ``Reference.error`` bounds max|Δ(g_out, dg_out)| / max|(g_out, dg_out)| from the
+quadrature error estimate (propagated through the assembly), the box tails, the skipped nodes
+and the float64/mpmath difference; the tests require it to be ≤ 1e-8 (2-D) or ≤ 1e-6 (4-D) and
+compare at 1e-6 (1e-4 for L = 3).  The 2-D integrator was cross-checked against plain mp.quad
+(tanh-sinh, 32 digits) on the mass and first moments (tests/test_channels.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import product
+
+import mpmath
+import numpy as np
+from scipy import optimize
+from scipy.special import expit, log_ndtr
+
+mp = mpmath.MPContext()
+mp.dps = 32
+
+LOG2PI = math.log(2 * math.pi)
+
+
+@dataclass
+class Reference:
+    """g_out (R, T), dg_out (RT, RT) flattened a*T + t, log_z (exact for the noisy route, the
+    spec's reparametrised log Z_out without the y-only factor otherwise; None for L = 1 where it
+    is not computed), error: bound on the test metric from the reference's own errors."""
+    g_out: np.ndarray
+    dg_out: np.ndarray
+    log_z: float | None
+    error: float
+    seconds: float
+    info: dict = field(default_factory=dict)
+
+
+def metric(g, dg, g_ref, dg_ref) -> float:
+    """max abs error over all entries of (g_out, dg_out) / max abs entry of the reference."""
+    err = max(np.abs(np.asarray(g) - g_ref).max(), np.abs(np.asarray(dg) - dg_ref).max())
+    scale = max(np.abs(g_ref).max(), np.abs(dg_ref).max())
+    return float(err / scale)
+
+
+# -- mpmath helpers ---------------------------------------------------------------------------
+
+def _mpf(x):
+    return mp.mpf(float(x))
+
+
+def _mp_matrix(A):
+    A = np.asarray(A, dtype=np.float64)
+    return mp.matrix([[_mpf(v) for v in row] for row in A])
+
+
+def _to_np(M) -> np.ndarray:
+    return np.array([[float(M[i, j]) for j in range(M.cols)] for i in range(M.rows)])
+
+
+def u_from_y(y, beta) -> list:
+    """The + pre-image u (list of mpf, length T) of y = σ_β(u uᵀ), from the log-ratios
+    k_ts = log(y_ts/y_tt)/β = u_t u_s - u_t².  With M = u uᵀ: M_ss - M_tt = k_ts - k_st and, for
+    an anchor p, M_pt = M_pp + k_pt, so rank one gives M_pp = k_pt² / (M_tt - M_pp - 2 k_pt).
+    The anchor is the token with the largest M_tt (best conditioned); u_t = M_pt / √M_pp."""
+    y = np.asarray(y, dtype=np.float64)
+    T = y.shape[0]
+    beta = _mpf(beta)
+    k = [[mp.log(_mpf(y[t, s]) / _mpf(y[t, t])) / beta for s in range(T)] for t in range(T)]
+
+    def diag_from(p):
+        d = [k[p][t] - k[t][p] for t in range(T)]             # M_tt - M_pp
+        t = max((t for t in range(T) if t != p), key=lambda t: abs(d[t] - 2 * k[p][t]))
+        Mpp = k[p][t] ** 2 / (d[t] - 2 * k[p][t])
+        return Mpp, d
+
+    Mpp, d = diag_from(0)
+    p = max(range(T), key=lambda t: Mpp + d[t])
+    Mpp, d = diag_from(p)
+    root = mp.sqrt(Mpp)
+    return [(Mpp + k[p][t]) / root if t != p else root for t in range(T)]
+
+
+def _cholesky_mp(V):
+    Vm = _mp_matrix(V)
+    return mp.cholesky(Vm), Vm
+
+
+# -- L = 1: two points ----------------------------------------------------------------------------
+
+def reparam_l1(y, omega, V, beta) -> Reference:
+    """Noiseless L = 1 (R = 1, any T): Z = ±u with weights ∝ N(±u; ω, v I_T) (closed form)."""
+    t0 = time.perf_counter()
+    T = np.asarray(y).shape[0]
+    u = u_from_y(y, beta)
+    v = _mpf(np.asarray(V).reshape(()))
+    om = [_mpf(x) for x in np.asarray(omega).reshape(T)]
+    logw = [-sum((s * ut - ot) ** 2 for ut, ot in zip(u, om)) / (2 * v) for s in (1, -1)]
+    top = max(logw)
+    w = [mp.exp(lw - top) for lw in logw]
+    tot = w[0] + w[1]
+    th = (w[0] - w[1]) / tot                                   # E[±1]
+    mean = [th * ut for ut in u]
+    g = np.array([[float((mean[t] - om[t]) / v) for t in range(T)]])
+    dg = np.array([[float((1 - th ** 2) * u[t] * u[s] / v ** 2 - (1 if s == t else 0) / v)
+                    for s in range(T)] for t in range(T)])
+    log_z = float(top + mp.log(tot) - T * (mp.log(2 * mp.pi * v)) / 2)
+    return Reference(g, dg, log_z, 1e-25, time.perf_counter() - t0, {"u": [float(x) for x in u]})
+
+
+# -- integrands ---------------------------------------------------------------------------------
+
+def _softmax2(a, b, beta, lib):
+    """Row-wise σ_β of the 2×2 logits x xᵀ, x = (a, b): entries (s11, s12, s21, s22).  Row 1 is
+    (e^{βa²}, e^{βab})/Σ, so s11 = expit(β a(a-b)), s12 = expit(-β a(a-b)); row 2 likewise."""
+    if lib is np:
+        l1, l2 = beta * a * (a - b), beta * b * (b - a)
+        return expit(l1), expit(-l1), expit(-l2), expit(l2)
+    l1, l2 = beta * a * (a - b), beta * b * (b - a)
+    e1, e2 = mp.exp(-l1), mp.exp(-l2)
+    return 1 / (1 + e1), e1 / (1 + e1), e2 / (1 + e2), 1 / (1 + e2)
+
+
+class _Problem:
+    """Σ_s ∫ exp(ℓ_s(x)) [1, w_s, w_s w_sᵀ] dx over x ∈ R^d, Z_s(x) ∈ R^{R×T}."""
+
+    d: int
+    S: int
+    R: int
+    T: int
+
+    def __init__(self, omega, V):
+        self.omega = np.asarray(omega, dtype=np.float64).reshape(self.R, self.T)
+        self.V = np.asarray(V, dtype=np.float64).reshape(self.R, self.R)
+        self.P = np.linalg.inv(self.V)
+        self.logdetV = np.linalg.slogdet(self.V)[1]
+        self.Lc = np.linalg.cholesky(self.V)
+        self.Linv = np.linalg.inv(self.Lc)
+
+    def gauss(self, Z, lib=np):
+        """log N(Z; ω, V) (all T columns) for Z (S, N, R, T) (numpy) or an R×T list (mpmath)."""
+        if lib is np:
+            r = Z - self.omega
+            q = np.einsum("...at,ab,...bt->...", r, self.P, r)
+            return -0.5 * q - 0.5 * self.T * (self.R * LOG2PI + self.logdetV)
+        P, om, R = self._P_list, self._omega_mp, self.R
+        q = mp.zero
+        for t in range(self.T):
+            r = [Z[a][t] - om[a][t] for a in range(R)]
+            for a in range(R):
+                q += P[a][a] * r[a] * r[a]
+                for b in range(a):
+                    q += 2 * P[a][b] * r[a] * r[b]
+        return self._const_mp - q / 2
+
+    def _setup_mp(self):
+        R = self.R
+        self._V_mp = _mp_matrix(self.V)
+        self._P_mp = self._V_mp ** -1
+        self._P_list = [[self._P_mp[a, b] for b in range(R)] for a in range(R)]
+        self._omega_mp = [[_mpf(v) for v in row] for row in self.omega]
+        self._Lc_mp = mp.cholesky(self._V_mp)
+        self._Linv_mp = self._Lc_mp ** -1
+        self._const_mp = -self.T * (R * mp.log(2 * mp.pi) + mp.log(mp.det(self._V_mp))) / 2
+
+    # to implement: logterms(X) -> ell (S, N), Z (S, N, R, T); logterms_mp(x) -> [(ell, Z)];
+    # box(K) -> lo, hi; cliffs(k, prefix) -> (M, c); tail(K) -> (log mass, log E|Z - Z_ref|²)
+    # bounds outside the box (unscaled); starts() -> list of x.
+
+
+class ReparamL2(_Problem):
+    d, S, R, T = 2, 2, 2, 2
+
+    def __init__(self, y, omega, V, skip, beta):
+        super().__init__(omega, V)
+        self.c, self.beta = float(skip), float(beta)
+        self.u_mp = u_from_y(y, beta)
+        self.u = np.array([float(v) for v in self.u_mp])
+
+    def _phi_inv_u(self, a, b, lib):
+        s11, s12, s21, s22 = _softmax2(a, b, self.beta, lib)
+        c, (u0, u1) = self.c, (self.u if lib is np else self.u_mp)
+        det = (c + s11) * (c + s22) - s12 * s21
+        return ((c + s22) * u0 - s12 * u1) / det, (-s21 * u0 + (c + s11) * u1) / det, det
+
+    def logterms(self, X):
+        a, b = X[:, 0], X[:, 1]
+        v0, v1, det = self._phi_inv_u(a, b, np)
+        h1 = np.stack([a, b], axis=-1)
+        h2 = np.stack([v0, v1], axis=-1)
+        Z = np.stack([np.stack([h1, s * h2], axis=1) for s in (1.0, -1.0)])      # (2, N, R, T)
+        return self.gauss(Z) - np.log(np.abs(det)), Z
+
+    def logterms_mp(self, x):
+        a, b = x
+        v0, v1, det = self._phi_inv_u(a, b, mp)
+        out = []
+        for s in (1, -1):
+            Z = [[a, b], [s * v0, s * v1]]
+            out.append((self.gauss(Z, mp) - mp.log(abs(det)), Z))
+        return out
+
+    def box(self, K):
+        half = K * math.sqrt(self.V[0, 0])
+        return self.omega[0] - half, self.omega[0] + half
+
+    def cliffs(self, k, prefix):
+        zero = np.zeros((len(prefix), 1))
+        return zero if k == 0 else np.concatenate([zero, prefix[:, :1]], axis=1)
+
+    def tail(self, K, Zref):
+        """x ~ N(ω_1, V_11 I) outside the box; the other factor N(h_2; m(x), s² I)/|det Φ| is at
+        most (2π s²)^{-T/2} / (c(c+1)) (T = 2: det Φ = (c+1)(c + s11 + s22 - 1) ≥ c(c+1) since
+        the two row logits sum to β(a-b)² ≥ 0); |h_2| ≤ ‖Φ⁻¹‖|u| ≤ (√2/c)|u|."""
+        T, c = self.T, self.c
+        s2 = self.V[1, 1] - self.V[0, 1] ** 2 / self.V[0, 0]
+        log_sup = -0.5 * T * math.log(2 * math.pi * s2) - math.log(c * (c + 1))
+        log_pout = math.log(2 * T) + log_ndtr(-K)
+        v11 = self.V[0, 0]
+        A0 = (2 * np.sum((self.omega[0] - Zref[0]) ** 2) + 4 * np.sum(self.u ** 2) / c ** 2
+              + 2 * np.sum(Zref[1] ** 2))
+        m2 = 2 * v11 * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout) + A0 * math.exp(log_pout)
+        return math.log(self.S) + log_sup + log_pout, math.log(self.S) + log_sup + math.log(m2)
+
+    def starts(self):
+        return [s * self.omega[0] for s in (1.0, -1.0)]
+
+
+class NoisyL1(_Problem):
+    """P(y|Z) = N(y; σ_β(h hᵀ), Δ I_{T²}), L = 1, T = 2 (R = 1): x = h, one term."""
+    d, S, R, T = 2, 1, 1, 2
+
+    def __init__(self, y, omega, V, beta, noise):
+        super().__init__(omega, V)
+        self.beta, self.noise = float(beta), float(noise)
+        self.y = np.asarray(y, dtype=np.float64).reshape(2, 2)
+        self.y_mp = [[_mpf(v) for v in row] for row in self.y]
+
+    def _loglik(self, a, b, lib):
+        s = _softmax2(a, b, self.beta, lib)
+        y = self.y.ravel() if lib is np else [v for row in self.y_mp for v in row]
+        sq = sum((yi - si) ** 2 for yi, si in zip(y, s))
+        log = np.log if lib is np else mp.log
+        return -sq / (2 * self.noise) - 2 * log(2 * (math.pi if lib is np else mp.pi) * self.noise)
+
+    def logterms(self, X):
+        a, b = X[:, 0], X[:, 1]
+        Z = X.reshape(1, len(X), 1, 2)
+        return self.gauss(Z) + self._loglik(a, b, np)[None], Z
+
+    def logterms_mp(self, x):
+        a, b = x
+        Z = [[a, b]]
+        noise = _mpf(self.noise)
+        s = _softmax2(a, b, self.beta, mp)
+        y = [v for row in self.y_mp for v in row]
+        sq = mp.fsum((yi - si) ** 2 for yi, si in zip(y, s))
+        ll = -sq / (2 * noise) - 2 * mp.log(2 * mp.pi * noise)
+        return [(self.gauss(Z, mp) + ll, Z)]
+
+    def box(self, K):
+        half = K * math.sqrt(self.V[0, 0])
+        return self.omega[0] - half, self.omega[0] + half
+
+    cliffs = ReparamL2.cliffs
+
+    def tail(self, K, Zref):
+        T = self.T
+        log_sup = -0.5 * T * T * math.log(2 * math.pi * self.noise)
+        log_pout = math.log(2 * T) + log_ndtr(-K)
+        m2 = (2 * self.V[0, 0] * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout)
+              + 2 * np.sum((self.omega[0] - Zref[0]) ** 2) * math.exp(log_pout))
+        return log_sup + log_pout, log_sup + math.log(m2)
+
+    def starts(self):
+        return [s * self.omega[0] for s in (1.0, -1.0)]
+
+
+class ReparamL3(_Problem):
+    """Noiseless L = 3, T = 2 in the coordinates x = (h_1, u_2) (float64 only)."""
+    d, S, R, T = 4, 2, 3, 2
+
+    def __init__(self, y, omega, V, skip, beta):
+        super().__init__(omega, V)
+        self.c, self.beta = float(skip), float(beta)
+        self.u = np.array([float(v) for v in u_from_y(y, beta)])
+
+    @staticmethod
+    def _inv_apply(M, v):
+        (m00, m01, m10, m11), det = M, M[0] * M[3] - M[1] * M[2]
+        return (m11 * v[0] - m01 * v[1]) / det, (-m10 * v[0] + m00 * v[1]) / det
+
+    def _attention(self, a, b):
+        s11, s12, s21, s22 = _softmax2(a, b, self.beta, np)
+        c = self.c
+        return (c + s11, s12, s21, c + s22)
+
+    def parts(self, X):
+        a, b, p, q = X.T
+        P1 = self._attention(a, b)
+        A2 = self._attention(p, q)
+        h2 = self._inv_apply(P1, (p, q))
+        w = self._inv_apply(A2, (self.u[0], self.u[1]))
+        h3 = self._inv_apply(P1, w)
+        det1 = P1[0] * P1[3] - P1[1] * P1[2]
+        detA = A2[0] * A2[3] - A2[1] * A2[2]
+        return (a, b), h2, h3, np.log(np.abs(detA)) + 2 * np.log(np.abs(det1))
+
+    def logterms(self, X):
+        h1, h2, h3, logjac = self.parts(X)
+        h1, h2, h3 = (np.stack(h, axis=-1) for h in (h1, h2, h3))
+        Z = np.stack([np.stack([h1, h2, s * h3], axis=1) for s in (1.0, -1.0)])
+        return self.gauss(Z) - logjac, Z
+
+    def box(self, K):
+        half1 = K * math.sqrt(self.V[0, 0])
+        B2 = (1 + self.c) * (np.abs(self.omega[1]).max() + K * math.sqrt(self.V[1, 1]))
+        return (np.concatenate([self.omega[0] - half1, [-B2, -B2]]),
+                np.concatenate([self.omega[0] + half1, [B2, B2]]))
+
+    def cliffs(self, k, prefix):
+        zero = np.zeros((len(prefix), 1))
+        if k in (0, 2):
+            return zero
+        return np.concatenate([zero, prefix[:, k - 1:k]], axis=1)
+
+    def tail(self, K, Zref):
+        """(h_1, h_2) ~ N(ω_{12}, V_{12} ⊗ I) outside box_1 × box_2 (the u_2 box contains the
+        image of box_2); the rest is ≤ (2π s_3²)^{-T/2}/(c(c+1))²; |h_3| ≤ (2/c²)|u_3|."""
+        T, c = self.T, self.c
+        V12 = self.V[:2, :2]
+        s2 = self.V[2, 2] - self.V[2, :2] @ np.linalg.solve(V12, self.V[:2, 2])
+        log_sup = -0.5 * T * math.log(2 * math.pi * s2) - 2 * math.log(c * (c + 1))
+        log_pout = math.log(4 * T) + log_ndtr(-K)
+        trace = T * np.trace(V12)
+        A0 = (2 * np.sum((self.omega[:2] - Zref[:2]) ** 2) + 8 * np.sum(self.u ** 2) / c ** 4
+              + 2 * np.sum(Zref[2] ** 2))
+        m2 = 2 * math.sqrt(3) * trace * math.exp(0.5 * log_pout) + A0 * math.exp(log_pout)
+        return math.log(self.S) + log_sup + log_pout, math.log(self.S) + log_sup + math.log(m2)
+
+    def starts(self):
+        out = []
+        for s1, s2 in product((1.0, -1.0), repeat=2):
+            h1 = s1 * self.omega[0]
+            P1 = self._attention(h1[:1], h1[1:])
+            u2 = (P1[0] * s2 * self.omega[1, 0] + P1[1] * s2 * self.omega[1, 1],
+                  P1[2] * s2 * self.omega[1, 0] + P1[3] * s2 * self.omega[1, 1])
+            out.append(np.concatenate([h1, [u2[0][0], u2[1][0]]]))
+        return out
+
+
+# -- quadrature ------------------------------------------------------------------------------------
+
+OFFSETS = (-6.0, -2.0, 0.0, 2.0, 6.0)        # mode breakpoints, in conditional Laplace sd
+
+
+def _gauss_legendre(n):
+    return np.polynomial.legendre.leggauss(n)
+
+
+class _Ctx:
+    """What one integration needs: the problem, the shift ℓ*, the centre Z_ref, the modes
+    (centre, Laplace covariance) for the breakpoints, the box and the panel order."""
+
+    def __init__(self, problem, lo, hi, modes, shift, Zref, n):
+        self.problem, self.lo, self.hi, self.modes = problem, lo, hi, modes
+        self.shift, self.Zref, self.n = shift, Zref, n
+        RT = problem.R * problem.T
+        self.iu = np.triu_indices(RT)
+        self.K = 1 + RT + len(self.iu[0])
+        self.evaluations = 0
+        # conditional Laplace coefficients per level and mode
+        self.cond = []
+        for k in range(problem.d):
+            row = []
+            for c, C in modes:
+                if k == 0:
+                    row.append((c[0], np.zeros(0), math.sqrt(C[0, 0])))
+                else:
+                    coef = np.linalg.solve(C[:k, :k], C[k, :k])
+                    s2 = max(C[k, k] - C[k, :k] @ coef, 1e-300)
+                    row.append((c[k] - c[:k] @ coef, coef, math.sqrt(s2)))
+            self.cond.append(row)
+
+    def components(self, X):
+        """Σ_s e^{ℓ_s - ℓ*} [1, w_s, (w_s w_sᵀ)_{upper}] at the points X (N, d): (N, K)."""
+        p = self.problem
+        ell, Z = p.logterms(X)
+        e = np.exp(ell - self.shift)
+        if not np.isfinite(e).all() and np.isfinite(e[~np.isnan(e)]).all():
+            pass
+        W = np.einsum("ab,snbt->snat", p.Linv, Z - self.Zref).reshape(p.S, len(X), -1)
+        second = W[..., self.iu[0]] * W[..., self.iu[1]]
+        out = np.concatenate([np.ones_like(W[..., :1]), W, second], axis=-1) * e[..., None]
+        self.evaluations += len(X)
+        out = out.sum(axis=0)
+        if not np.isfinite(out).all():
+            raise FloatingPointError("non-finite integrand: a mode above the shift was missed")
+        return out
+
+    def breaks(self, k, prefix):
+        M = len(prefix)
+        lo, hi = self.lo[k], self.hi[k]
+        cols = [np.full((M, 1), lo), np.full((M, 1), hi), self.problem.cliffs(k, prefix)]
+        for mu0, coef, s in self.cond[k]:
+            mu = mu0 + prefix @ coef if k else np.full(M, mu0)
+            cols.append(mu[:, None] + s * np.array(OFFSETS)[None])
+        B = np.clip(np.concatenate(cols, axis=1), lo, hi)
+        return np.sort(B, axis=1)
+
+
+@dataclass
+class _Panels:
+    o: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    Ip: np.ndarray      # parent rule value (P, K)
+    Ep: np.ndarray      # inner error of the parent rule (P,)
+    IL: np.ndarray
+    EL: np.ndarray
+    IR: np.ndarray
+    ER: np.ndarray
+
+    def take(self, m):
+        return _Panels(*(getattr(self, f)[m] for f in self.__dataclass_fields__))
+
+    @staticmethod
+    def cat(parts):
+        return _Panels(*(np.concatenate([getattr(p, f) for p in parts])
+                         for f in _Panels.__dataclass_fields__))
+
+
+def _rule(f, o, a, b, n, K):
+    """Gauss–Legendre n on the panels (o, a, b): values (P, K) and inner errors (P,)."""
+    P = len(o)
+    if P == 0:
+        return np.zeros((0, K)), np.zeros(0)
+    xi, wi = _gauss_legendre(n)
+    half = 0.5 * (b - a)
+    x = (0.5 * (a + b))[:, None] + half[:, None] * xi[None]
+    val, err = f(np.repeat(o, n), x.ravel())
+    w = half[:, None] * wi[None]
+    return (np.einsum("pn,pnk->pk", w, val.reshape(P, n, K)),
+            np.einsum("pn,pn->p", w, err.reshape(P, n)))
+
+
+def _adaptive(f, breaks, atol, n, K, max_rounds=60):
+    """Globally adaptive Gauss–Legendre over x for Q owners at once (vector integrand).
+
+    ``f(owner (M,), x (M,)) -> (values (M, K), inner error (M,))``; ``breaks`` (Q, nb) sorted;
+    owner q is done when Σ_panels e ≤ atol[q], e = max_k |I_parent - I_halves| + inner errors.
+    Returns the halves value (Q, K), the error bound of the parent rule (Q,), the final panels
+    (owner, a, b) whose parent rule the bound certifies, and the number of rounds."""
+    Q, nb = breaks.shape
+    o = np.repeat(np.arange(Q), nb - 1)
+    a, b = breaks[:, :-1].ravel(), breaks[:, 1:].ravel()
+    keep = b > a
+    o, a, b = o[keep], a[keep], b[keep]
+    Ip, Ep = _rule(f, o, a, b, n, K)
+    P = len(o)
+    act = _Panels(o, a, b, Ip, Ep, np.zeros((P, K)), np.zeros(P), np.zeros((P, K)), np.zeros(P))
+    fresh = np.ones(P, bool)
+    done = []
+    for rnd in range(max_rounds + 1):
+        if fresh.any():
+            fa, fb, fo = act.a[fresh], act.b[fresh], act.o[fresh]
+            m = 0.5 * (fa + fb)
+            act.IL[fresh], act.EL[fresh] = _rule(f, fo, fa, m, n, K)
+            act.IR[fresh], act.ER[fresh] = _rule(f, fo, m, fb, n, K)
+        e = np.abs(act.Ip - act.IL - act.IR).max(axis=1) + act.EL + act.ER
+        tot = np.bincount(act.o, e, minlength=Q)
+        cnt = np.bincount(act.o, minlength=Q)
+        ok = tot <= atol
+        if rnd == max_rounds:
+            ok[:] = True
+        retire = ok[act.o]
+        done.append(act.take(retire))
+        act, e = act.take(~retire), e[~retire]
+        if len(act.o) == 0:
+            break
+        split = e > atol[act.o] / cnt[act.o]
+        stay, sp = act.take(~split), act.take(split)
+        m = 0.5 * (sp.a + sp.b)
+        S = len(sp.o)
+        zK, z = np.zeros((2 * S, K)), np.zeros(2 * S)
+        children = _Panels(np.concatenate([sp.o, sp.o]), np.concatenate([sp.a, m]),
+                           np.concatenate([m, sp.b]), np.concatenate([sp.IL, sp.IR]),
+                           np.concatenate([sp.EL, sp.ER]), zK, z, zK.copy(), z.copy())
+        act = _Panels.cat([stay, children])
+        fresh = np.concatenate([np.zeros(len(stay.o), bool), np.ones(2 * S, bool)])
+    fin = _Panels.cat(done)
+    value = np.zeros((Q, K))
+    np.add.at(value, fin.o, fin.IL + fin.IR)
+    e = np.abs(fin.Ip - fin.IL - fin.IR).max(axis=1) + fin.Ep + fin.EL + fin.ER
+    err = np.bincount(fin.o, e, minlength=Q)
+    return value, err, (fin.o, fin.a, fin.b), rnd
+
+
+SKIP = 1e-16        # mp pass: nodes contributing less than this (relative to the mass) are skipped
+CHUNK = 4_000_000      # integrand points per batch at the innermost level (memory)
+
+
+def _nested(ctx, level, prefix, atol, log=None):
+    """∫ dx_level … dx_{d-1} of the components, for every prefix x_{<level}: (M, K), (M,)."""
+    d, K, n = ctx.problem.d, ctx.K, ctx.n
+    M = len(prefix)
+    if level == d:
+        return ctx.components(prefix), np.zeros(M)
+    per_owner = (6 * n * 10) ** (d - level)
+    step = max(1, CHUNK // per_owner)
+    if M > step:
+        parts = [_nested(ctx, level, prefix[i:i + step], atol[i:i + step]) for i in range(0, M, step)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    breaks = ctx.breaks(level, prefix)
+    width = np.maximum(breaks[:, -1] - breaks[:, 0], 1e-300)
+    inner_atol = 0.5 * atol / width
+
+    def f(owner, x):
+        return _nested(ctx, level + 1, np.concatenate([prefix[owner], x[:, None]], axis=1),
+                       inner_atol[owner])
+
+    value, err, panels, rounds = _adaptive(f, breaks, atol, n, K)
+    if log is not None:
+        log.update(panels=panels, inner_atol=inner_atol, rounds=rounds)
+    return value, err
+
+
+def _parent_nodes(panels, n):
+    o, a, b = panels
+    xi, wi = _gauss_legendre(n)
+    half = 0.5 * (b - a)
+    x = (0.5 * (a + b))[:, None] + half[:, None] * xi[None]
+    w = half[:, None] * wi[None]
+    return np.repeat(o, n), x.ravel(), w.ravel()
+
+
+# -- modes ------------------------------------------------------------------------------------------
+
+def _local_maxima(E):
+    d = E.ndim
+    pad = np.pad(E, 1, constant_values=-np.inf)
+    core = tuple(slice(1, -1) for _ in range(d))
+    is_max = np.isfinite(E)
+    for off in product((-1, 0, 1), repeat=d):
+        if any(off):
+            sl = tuple(slice(1 + o, pad.shape[i] - 1 + o) for i, o in enumerate(off))
+            is_max &= E >= pad[sl]
+    del core
+    return np.argwhere(is_max)
+
+
+def _modes(problem, lo, hi, grid_n, keep=8):
+    """Local maxima of every ℓ_s: (x, ℓ, Laplace covariance) list, deduplicated, sorted."""
+    d = problem.d
+    axes = [np.linspace(lo[k], hi[k], grid_n) for k in range(d)]
+    G = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, d)
+    ell, _ = problem.logterms(G)
+    sd = (hi - lo) / 24.0
+    found = []
+    for s in range(problem.S):
+        E = ell[s].reshape((grid_n,) * d)
+        idx = _local_maxima(E)
+        vals = E[tuple(idx.T)]
+        order = np.argsort(-vals)[:keep]
+        starts = [np.array([axes[k][i[k]] for k in range(d)]) for i in idx[order]]
+        starts += list(problem.starts())
+        for x0 in starts:
+            fun = lambda x, s=s: -float(problem.logterms(np.asarray(x)[None])[0][s, 0])
+            res = optimize.minimize(fun, np.clip(x0, lo, hi), method="L-BFGS-B",
+                                    bounds=list(zip(lo, hi)),
+                                    options={"ftol": 1e-15, "gtol": 1e-10, "maxiter": 500})
+            x = res.x
+            found.append((x, -res.fun, _hessian(problem, s, x, 1e-4 * sd)))
+    found.sort(key=lambda m: -m[1])
+    modes = []
+    for x, l, H in found:
+        C = _laplace_cov(H, sd)
+        if any((x - y) @ np.linalg.solve(Cy, x - y) < 0.01 for y, _, Cy in modes):
+            continue
+        modes.append((x, l, C))
+    top = modes[0][1]
+    return [m for m in modes if m[1] > top - 60.0]
+
+
+def _hessian(problem, s, x, h):
+    d = len(x)
+    pts = [x]
+    for i in range(d):
+        for j in range(i, d):
+            for si, sj in product((1, -1), repeat=2):
+                p = x.copy()
+                p[i] += si * h[i]
+                p[j] += sj * h[j]
+                pts.append(p)
+    ell = problem.logterms(np.array(pts))[0][s]
+    H = np.zeros((d, d))
+    k = 1
+    for i in range(d):
+        for j in range(i, d):
+            pp, pm, mp_, mm = ell[k:k + 4]
+            k += 4
+            H[i, j] = H[j, i] = (pp - pm - mp_ + mm) / (4 * h[i] * h[j])
+    return H
+
+
+def _laplace_cov(H, sd):
+    """(-H)⁻¹, with eigenvalues of -H floored so that no width exceeds the box scale."""
+    w, U = np.linalg.eigh(-0.5 * (H + H.T))
+    floor = 1.0 / (sd.max() ** 2)
+    w = np.where(np.isfinite(w) & (w > floor), w, floor)
+    return (U / w) @ U.T
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+def _integrate(problem, tol, n, grid_n, mp_pass, K=12.0):
+    t0 = time.perf_counter()
+    info = {}
+    for attempt in range(4):
+        lo, hi = problem.box(K)
+        lo, hi = np.asarray(lo, float), np.asarray(hi, float)
+        modes = _modes(problem, lo, hi, grid_n)
+        x_top = modes[0][0]
+        shift = modes[0][1]
+        ell, Z = problem.logterms(x_top[None])
+        Zref = Z[int(np.argmax(ell[:, 0])), 0]
+        laplace = sum(math.exp(l - shift) * math.sqrt(np.linalg.det(2 * math.pi * C)) for _, l, C in modes)
+        ctx = _Ctx(problem, lo, hi, [(x, C) for x, _, C in modes], shift, Zref, n)
+        atol = tol * laplace
+        for _ in range(3):
+            log = {}
+            value, err = _nested(ctx, 0, np.zeros((1, 0)), np.array([atol]), log)
+            mass = value[0, 0]
+            if err[0] <= 2 * tol * mass:
+                break
+            atol = tol * mass
+        log_tm, log_t2 = problem.tail(K, Zref)
+        tail_mass = math.exp(log_tm - shift)
+        tail_m2 = math.exp(log_t2 - shift) / np.linalg.eigvalsh(problem.V)[0]
+        if tail_mass <= 1e-14 * mass and tail_m2 <= 1e-14 * mass:
+            break
+        K *= 1.5
+    info.update(K=K, modes=len(modes), evaluations=ctx.evaluations, design_seconds=time.perf_counter() - t0,
+                rounds=log["rounds"])
+    tail = tail_mass + tail_m2 + math.sqrt(tail_mass * tail_m2)
+    quad = float(err[0]) + tail
+    g64, dg64, err64 = _assemble_np(problem, ctx, value[0], quad)
+    result = dict(g=g64, dg=dg64, error=err64, mass=mass, shift=shift, quad=quad)
+    if mp_pass:
+        result.update(_mp_pass(problem, ctx, log, quad, mass))
+        result["f64_diff"] = metric(g64, dg64, result["g"], result["dg"])
+    info.update({k: v for k, v in result.items() if k not in ("g", "dg")})
+    info["seconds"] = time.perf_counter() - t0
+    return result, info
+
+
+def _unflatten(S, RT, iu):
+    S0, S1 = S[0], S[1:1 + RT]
+    S2 = np.zeros((RT, RT))
+    S2[iu] = S[1 + RT:]
+    S2 = S2 + np.triu(S2, 1).T
+    return S0, S1, S2
+
+
+def _assemble_np(problem, ctx, S, err):
+    """g_out, dg_out from the whitened moments (float64), and the bound on the metric from an
+    absolute error ``err`` on every component."""
+    R, T = problem.R, problem.T
+    RT = R * T
+    S0, S1, S2 = _unflatten(S, RT, ctx.iu)
+    mu = S1 / S0
+    C = S2 / S0 - np.outer(mu, mu)
+    Li = problem.Linv
+    big = np.kron(Li, np.eye(T))                      # (L⁻¹ ⊗ I) in the a*T + t order
+    g = (problem.P @ (ctx.Zref - problem.omega)).ravel() + big.T @ mu
+    dg = big.T @ C @ big - np.kron(problem.P, np.eye(T))
+    dmu = err / S0 + np.abs(mu) * err / S0
+    dS2 = err / S0 + np.abs(S2 / S0) * err / S0
+    dC = dS2 + np.abs(mu)[:, None] * dmu[None] + dmu[:, None] * np.abs(mu)[None]
+    ab = np.abs(big)
+    dg_err = (ab.T @ dmu).max()
+    ddg_err = (ab.T @ dC @ ab).max()
+    scale = max(np.abs(g).max(), np.abs(dg).max())
+    return g.reshape(R, T), dg, max(dg_err, ddg_err) / scale
+
+
+def _mp_pass(problem, ctx, log, quad, mass):
+    """Evaluate the certified parent rule (outer × inner nodes) in mpmath (2-D problems).
+    ``quad`` bounds its error (absolute, every component); skipped nodes add their float64 size."""
+    assert problem.d == 2
+    n, K = ctx.n, ctx.K
+    _, x1, w1 = _parent_nodes(log["panels"], n)
+
+    def f(owner, x):
+        return ctx.components(np.stack([x1[owner], x], axis=1)), np.zeros(len(x))
+
+    breaks = ctx.breaks(1, x1[:, None])
+    _, _, panels, _ = _adaptive(f, breaks, np.full(len(x1), log["inner_atol"][0]), n, K)
+    o2, x2, w2 = _parent_nodes(panels, n)
+    X = np.stack([x1[o2], x2], axis=1)
+    W = w1[o2] * w2
+    vals = ctx.components(X) * W[:, None]
+    size = np.abs(vals).max(axis=1)
+    skip = size < SKIP * mass
+    skipped = size[skip].sum()
+    acc = _mp_sums(problem, ctx.Zref, ctx.shift, X[~skip], W[~skip])
+    problem._setup_mp()
+    g, dg = _assemble_mp(problem, ctx, acc)
+    acc64 = np.array([float(v) for v in acc])
+    _, _, bound = _assemble_np(problem, ctx, acc64, quad + skipped)
+    return dict(g=g, dg=dg, error=bound, log_z=float(mp.log(acc[0]) + _mpf(ctx.shift)),
+                mp_nodes=int((~skip).sum()), skipped=skipped / mass,
+                rule_f64_vs_mp=np.abs(vals.sum(axis=0) - acc64).max() / mass)
+
+
+WORKERS = 2          # processes for the mpmath pass (fork); 1 = in process
+
+
+def _mp_sums(problem, Zref, shift, X, W):
+    """Σ_nodes W Σ_s e^{ℓ_s - ℓ*} [1, w_s, w_s w_sᵀ] in mpmath, split over WORKERS processes."""
+    if WORKERS > 1 and len(X) > 400:
+        import multiprocessing as mproc
+        global _TASK
+        _TASK = (problem, Zref, shift, X, W)             # inherited by the forked workers
+        parts = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(len(X)), WORKERS)]
+        try:
+            with mproc.get_context("fork").Pool(WORKERS) as pool:
+                out = pool.map(_mp_sums_worker, parts)
+        finally:
+            _TASK = None
+        return [mp.fsum(mp.mpf(v) for v in col) for col in zip(*out)]
+    problem._setup_mp()
+    return _mp_sums_local(problem, Zref, shift, X, W)
+
+
+_TASK = None
+
+
+def _mp_sums_worker(bounds):
+    problem, Zref, shift, X, W = _TASK
+    i, j = bounds
+    problem._setup_mp()
+    return [mp.nstr(v, mp.dps + 5, strip_zeros=False) for v in _mp_sums_local(problem, Zref, shift, X[i:j], W[i:j])]
+
+
+def _mp_sums_local(problem, Zref, shift, X, W):
+    R, T = problem.R, problem.T
+    RT = R * T
+    iu = list(zip(*np.triu_indices(RT)))
+    Linv = [[problem._Linv_mp[a, b] for b in range(a + 1)] for a in range(R)]
+    Zref = [[_mpf(v) for v in row] for row in Zref]
+    shift = _mpf(shift)
+    acc = [mp.zero] * (1 + RT + len(iu))
+    for x, wgt in zip(X, W):
+        wgt = _mpf(wgt)
+        for ell, Z in problem.logterms_mp([_mpf(v) for v in x]):
+            e = wgt * mp.exp(ell - shift)
+            dZ = [[Z[b][t] - Zref[b][t] for t in range(T)] for b in range(R)]
+            wv = [sum((Linv[a][b] * dZ[b][t] for b in range(1, a + 1)), Linv[a][0] * dZ[0][t])
+                  for a in range(R) for t in range(T)]
+            ew = [e * v for v in wv]
+            acc[0] += e
+            for k in range(RT):
+                acc[1 + k] += ew[k]
+            for k, (i, j) in enumerate(iu):
+                acc[1 + RT + k] += ew[i] * wv[j]
+    return acc
+
+
+def _assemble_mp(problem, ctx, acc):
+    R, T = problem.R, problem.T
+    RT = R * T
+    S0 = acc[0]
+    mu = [acc[1 + k] / S0 for k in range(RT)]
+    S2 = [[mp.zero] * RT for _ in range(RT)]
+    for k, (i, j) in enumerate(zip(*ctx.iu)):
+        S2[i][j] = S2[j][i] = acc[1 + RT + k] / S0
+    C = [[S2[i][j] - mu[i] * mu[j] for j in range(RT)] for i in range(RT)]
+    Li, P = problem._Linv_mp, problem._P_mp
+    om = problem._omega_mp
+    Zref = [[_mpf(v) for v in row] for row in ctx.Zref]
+    # big[(a',t),(a,t)] = Linv[a', a]
+    def big(i, j):
+        (ai, ti), (aj, tj) = divmod(i, T), divmod(j, T)
+        return Li[ai, aj] if ti == tj else mp.zero
+    g = [[mp.fsum(P[a, b] * (Zref[b][t] - om[b][t]) for b in range(R))
+          + mp.fsum(big(k, a * T + t) * mu[k] for k in range(RT)) for t in range(T)] for a in range(R)]
+    CB = [[mp.fsum(C[i][k] * big(k, j) for k in range(RT)) for j in range(RT)] for i in range(RT)]
+    dg = [[mp.fsum(big(k, i) * CB[k][j] for k in range(RT))
+           - (P[i // T, j // T] if i % T == j % T else 0) for j in range(RT)] for i in range(RT)]
+    return (np.array([[float(v) for v in row] for row in g]),
+            np.array([[float(v) for v in row] for row in dg]))
+
+
+# -- public entry points --------------------------------------------------------------------------
+
+def _reference(problem, tol, n, grid_n, mp_pass, log_z=True):
+    res, info = _integrate(problem, tol, n, grid_n, mp_pass)
+    return Reference(res["g"], res["dg"], res.get("log_z") if log_z else None, res["error"],
+                     info["seconds"], info)
+
+
+def reparam_l2(y, omega, V, skip=1.0, beta=1.0, tol=1e-10, n=10, mp_pass=True) -> Reference:
+    """Noiseless L = 2, T = 2 (2-D integral over h_1; mpmath evaluation of the certified rule)."""
+    return _reference(ReparamL2(y, omega, V, skip, beta), tol, n, 81, mp_pass)
+
+
+def noisy_l1(y, omega, V, beta=1.0, noise=0.1, tol=1e-10, n=10, mp_pass=True) -> Reference:
+    """Noisy L = 1, T = 2 (2-D integral over h; log_z exact)."""
+    return _reference(NoisyL1(y, omega, V, beta, noise), tol, n, 81, mp_pass)
+
+
+def reparam_l3(y, omega, V, skip=1.0, beta=1.0, tol=1e-7, n=6) -> Reference:
+    """Noiseless L = 3, T = 2 (4-D integral over (h_1, u_2), float64)."""
+    return _reference(ReparamL3(y, omega, V, skip, beta), tol, n, 15, False)
