@@ -27,13 +27,16 @@ class Program:
     outputs: dict[str, sp.Matrix] = field(default_factory=dict)
     source: str = ""          # the derive/ function that built it (for the DO-NOT-EDIT header)
     constants: set = field(default_factory=set)   # symbols the chain rule holds fixed
+    partials: dict = field(default_factory=dict)  # symbol → {dependency: ∂symbol/∂dependency}
     _count: int = 0
 
     # -- building -----------------------------------------------------------------------------
-    def assign(self, prefix: str, expr, constant: bool = False) -> sp.Expr:
+    def assign(self, prefix: str, expr, constant: bool = False, partials: dict | None = None) -> sp.Expr:
         """Append ``prefix_k = expr`` and return the new symbol; atoms are returned as they are.
         ``constant=True`` marks a value the chain rule holds fixed (a softmax row maximum: the
-        softmax is shift-invariant, so the terms through it cancel exactly)."""
+        softmax is shift-invariant, so the terms through it cancel exactly).  ``partials``
+        replaces the chain rule through ``expr`` by given partial derivatives with respect to
+        earlier symbols (a form without cancellation, e.g. the saturated softmax)."""
         expr = sp.sympify(expr)
         if expr.is_Atom:
             return expr
@@ -42,6 +45,8 @@ class Program:
         self.body.append((sym, expr))
         if constant:
             self.constants.add(sym)
+        if partials is not None:
+            self.partials[sym] = dict(partials)
         return sym
 
     def assign_matrix(self, prefix: str, mat: sp.Matrix) -> sp.Matrix:
@@ -90,14 +95,19 @@ def jacobian(prog: Program, of: str, wrt: str, name: str) -> Program:
     x = list(prog.inputs[wrt])
     tangents: dict[sp.Symbol, dict[int, sp.Expr]] = {s: {k: sp.Integer(1)} for k, s in enumerate(x)}
     out = Program(prog.name + "_" + name, dict(prog.inputs), prog.params, [], {},
-                  prog.source, set(prog.constants), prog._count)
+                  prog.source, set(prog.constants), dict(prog.partials), prog._count)
 
     def grad(expr, own=None):
         """Sparse gradient {k: d expr / d x_k} by the chain rule, partials named once."""
         g: dict[int, sp.Expr] = {}
-        for dep in sorted(expr.free_symbols & tangents.keys(), key=str):
-            partial = sp.diff(expr, dep)
-            if own is not None:
+        given = prog.partials.get(own[0]) if own is not None else None
+        deps = given.keys() if given is not None else expr.free_symbols
+        for dep in sorted(set(deps) & tangents.keys(), key=str):
+            if given is not None:
+                partial = given[dep]
+            else:
+                partial = sp.diff(expr, dep)
+            if own is not None and given is None:
                 partial = partial.subs(own[1], own[0])     # e.g. d exp(a)/da -> the symbol itself
             partial = out.assign("p", partial)
             for k, dk in tangents[dep].items():
@@ -106,7 +116,9 @@ def jacobian(prog: Program, of: str, wrt: str, name: str) -> Program:
 
     for s, e in prog.body:
         out.body.append((s, e))
-        if s in prog.constants or not (e.free_symbols & tangents.keys()):
+        if s in prog.constants:
+            continue
+        if s not in prog.partials and not (e.free_symbols & tangents.keys()):
             continue
         g = grad(e, own=(s, e))
         tangents[s] = {k: out.assign("d", v) for k, v in sorted(g.items()) if v != 0}

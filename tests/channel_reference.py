@@ -213,10 +213,31 @@ class _Problem:
         self._Linv_mp = self._Lc_mp ** -1
         self._const_mp = -self.T * (R * mp.log(2 * mp.pi) + mp.log(mp.det(self._V_mp))) / 2
 
-    # to implement: logterms(X) -> ell (S, N), Z (S, N, R, T); logterms_mp(x) -> [(ell, Z)];
-    # box(K) -> lo, hi; cliffs(k, prefix) -> (M, c); tail(K) -> (log mass, log E|Z - Z_ref|²)
-    # bounds outside the box (unscaled); starts() -> list of x.
+    # -- numpy side: a problem gives rows(X) -> ([h_1 … h_R] each (N, T), extra log factor (N,));
+    #    with S = 2 the second term has the last row negated (the sign of u_L).
+    def logterms(self, X):
+        """ℓ_s (S, N) and Z_s (S, N, R, T) at the points X (N, d)."""
+        rows, extra = self.rows(X)
+        Z = np.stack(rows, axis=1)
+        Zs = [Z] if self.S == 1 else [Z, np.concatenate([Z[:, :-1], -Z[:, -1:]], axis=1)]
+        Zs = np.stack(Zs)
+        return self.gauss(Zs) + extra, Zs
 
+    def terms(self, X, shift, Zref):
+        """[(e^{ℓ_s - ℓ*} (N,), w_s (N, RT))] with w = (L_V⁻¹ ⊗ I)(Z_s - Z_ref), flattened a*T + t;
+        the Gaussian exponent is |L_V⁻¹(Z - ω)|², so w is that whitened residual plus a constant."""
+        rows, extra = self.rows(X)
+        R, Li = self.R, self.Linv
+        const = -0.5 * self.T * (R * LOG2PI + self.logdetV) - shift
+        delta = Li @ (self.omega - Zref)                    # (R, T)
+        out = []
+        for s in ((1.0,) if self.S == 1 else (1.0, -1.0)):
+            r = [rows[b] - self.omega[b] for b in range(R - 1)] + [s * rows[-1] - self.omega[-1]]
+            rho = [sum(Li[a, b] * r[b] for b in range(a + 1)) for a in range(R)]
+            q = sum((x * x).sum(axis=1) for x in rho)
+            e = np.exp(const - 0.5 * q + extra)
+            out.append((e, np.concatenate([x + delta[a] for a, x in enumerate(rho)], axis=1)))
+        return out
 
 class ReparamL2(_Problem):
     d, S, R, T = 2, 2, 2, 2
@@ -233,13 +254,10 @@ class ReparamL2(_Problem):
         det = (c + s11) * (c + s22) - s12 * s21
         return ((c + s22) * u0 - s12 * u1) / det, (-s21 * u0 + (c + s11) * u1) / det, det
 
-    def logterms(self, X):
+    def rows(self, X):
         a, b = X[:, 0], X[:, 1]
         v0, v1, det = self._phi_inv_u(a, b, np)
-        h1 = np.stack([a, b], axis=-1)
-        h2 = np.stack([v0, v1], axis=-1)
-        Z = np.stack([np.stack([h1, s * h2], axis=1) for s in (1.0, -1.0)])      # (2, N, R, T)
-        return self.gauss(Z) - np.log(np.abs(det)), Z
+        return [X[:, :2], np.stack([v0, v1], axis=1)], -np.log(np.abs(det))
 
     def logterms_mp(self, x):
         a, b = x
@@ -293,10 +311,8 @@ class NoisyL1(_Problem):
         log = np.log if lib is np else mp.log
         return -sq / (2 * self.noise) - 2 * log(2 * (math.pi if lib is np else mp.pi) * self.noise)
 
-    def logterms(self, X):
-        a, b = X[:, 0], X[:, 1]
-        Z = X.reshape(1, len(X), 1, 2)
-        return self.gauss(Z) + self._loglik(a, b, np)[None], Z
+    def rows(self, X):
+        return [X[:, :2]], self._loglik(X[:, 0], X[:, 1], np)
 
     def logterms_mp(self, x):
         a, b = x
@@ -356,11 +372,9 @@ class ReparamL3(_Problem):
         detA = A2[0] * A2[3] - A2[1] * A2[2]
         return (a, b), h2, h3, np.log(np.abs(detA)) + 2 * np.log(np.abs(det1))
 
-    def logterms(self, X):
+    def rows(self, X):
         h1, h2, h3, logjac = self.parts(X)
-        h1, h2, h3 = (np.stack(h, axis=-1) for h in (h1, h2, h3))
-        Z = np.stack([np.stack([h1, h2, s * h3], axis=1) for s in (1.0, -1.0)])
-        return self.gauss(Z) - logjac, Z
+        return [np.stack(h, axis=1) for h in (h1, h2, h3)], -logjac
 
     def box(self, K):
         half1 = K * math.sqrt(self.V[0, 0])
@@ -402,6 +416,7 @@ class ReparamL3(_Problem):
 # -- quadrature ------------------------------------------------------------------------------------
 
 OFFSETS = (-6.0, -2.0, 0.0, 2.0, 6.0)        # mode breakpoints, in conditional Laplace sd
+PRUNE = 30.0
 
 
 def _gauss_legendre(n):
@@ -419,44 +434,77 @@ class _Ctx:
         self.iu = np.triu_indices(RT)
         self.K = 1 + RT + len(self.iu[0])
         self.evaluations = 0
-        # conditional Laplace coefficients per level and mode
+        self.last_atol = self.last_error = None        # fixed rule: innermost level adaptive
+        # per level and mode: conditional Laplace centre μ = μ0 + coef·x_{<k}, sd s, and the
+        # marginal precision of x_{<k} (a mode's breakpoints are used only where the prefix is
+        # plausible under it: log mass - ½ Mahalanobis² - ½ log det within PRUNE of the best)
         self.cond = []
         for k in range(problem.d):
             row = []
-            for c, C in modes:
+            for c, C, logmass in modes:
                 if k == 0:
-                    row.append((c[0], np.zeros(0), math.sqrt(C[0, 0])))
+                    row.append((c[0], np.zeros(0), math.sqrt(C[0, 0]), None, logmass, c[:0]))
                 else:
                     coef = np.linalg.solve(C[:k, :k], C[k, :k])
                     s2 = max(C[k, k] - C[k, :k] @ coef, 1e-300)
-                    row.append((c[k] - c[:k] @ coef, coef, math.sqrt(s2)))
+                    prec = np.linalg.inv(C[:k, :k])
+                    score0 = logmass - 0.5 * np.linalg.slogdet(C[:k, :k])[1]
+                    row.append((c[k] - c[:k] @ coef, coef, math.sqrt(s2), prec, score0, c[:k]))
             self.cond.append(row)
 
     def components(self, X):
         """Σ_s e^{ℓ_s - ℓ*} [1, w_s, (w_s w_sᵀ)_{upper}] at the points X (N, d): (N, K)."""
-        p = self.problem
-        ell, Z = p.logterms(X)
-        e = np.exp(ell - self.shift)
-        if not np.isfinite(e).all() and np.isfinite(e[~np.isnan(e)]).all():
-            pass
-        W = np.einsum("ab,snbt->snat", p.Linv, Z - self.Zref).reshape(p.S, len(X), -1)
-        second = W[..., self.iu[0]] * W[..., self.iu[1]]
-        out = np.concatenate([np.ones_like(W[..., :1]), W, second], axis=-1) * e[..., None]
+        RT = len(self.iu[0]) and self.problem.R * self.problem.T
+        out = np.zeros((len(X), self.K))
+        for e, W in self.problem.terms(X, self.shift, self.Zref):
+            out[:, 0] += e
+            eW = e[:, None] * W
+            out[:, 1:1 + RT] += eW
+            out[:, 1 + RT:] += eW[:, self.iu[0]] * W[:, self.iu[1]]
         self.evaluations += len(X)
-        out = out.sum(axis=0)
         if not np.isfinite(out).all():
             raise FloatingPointError("non-finite integrand: a mode above the shift was missed")
         return out
 
-    def breaks(self, k, prefix):
+    def sums(self, X, weight):
+        """Σ_nodes weight · components (K,), without forming the (N, K) array."""
+        RT = self.problem.R * self.problem.T
+        S0, S1, S2 = 0.0, np.zeros(RT), np.zeros((RT, RT))
+        for e, W in self.problem.terms(X, self.shift, self.Zref):
+            q = weight * e
+            S0 += q.sum()
+            S1 += q @ W
+            S2 += (W * q[:, None]).T @ W
+        self.evaluations += len(X)
+        out = np.concatenate([[S0], S1, S2[self.iu]])
+        if not np.isfinite(out).all():
+            raise FloatingPointError("non-finite integrand: a mode above the shift was missed")
+        return out
+
+    def breaks(self, k, prefix, core=False):
+        """Sorted breakpoints (M, nb) of level k for each prefix; with ``core`` also the range
+        (M,), (M,) spanned by the used modes' centre ± 6 sd (outside it: tails)."""
         M = len(prefix)
         lo, hi = self.lo[k], self.hi[k]
         cols = [np.full((M, 1), lo), np.full((M, 1), hi), self.problem.cliffs(k, prefix)]
-        for mu0, coef, s in self.cond[k]:
+        scores = []
+        for mu0, coef, s, prec, score0, c in self.cond[k]:
+            if k == 0:
+                scores.append(np.full(M, score0))
+            else:
+                r = prefix - c
+                scores.append(score0 - 0.5 * np.einsum("mi,ij,mj->m", r, prec, r))
+        best = np.max(scores, axis=0)
+        first, last = np.full(M, hi), np.full(M, lo)
+        for (mu0, coef, s, _, _, _), score in zip(self.cond[k], scores):
             mu = mu0 + prefix @ coef if k else np.full(M, mu0)
-            cols.append(mu[:, None] + s * np.array(OFFSETS)[None])
-        B = np.clip(np.concatenate(cols, axis=1), lo, hi)
-        return np.sort(B, axis=1)
+            pts = mu[:, None] + s * np.array(OFFSETS)[None]
+            use = score >= best - PRUNE
+            cols.append(np.where(use[:, None], pts, lo))
+            first = np.where(use, np.minimum(first, pts[:, 0]), first)
+            last = np.where(use, np.maximum(last, pts[:, -1]), last)
+        B = np.sort(np.clip(np.concatenate(cols, axis=1), lo, hi), axis=1)
+        return (B, first, last) if core else B
 
 
 @dataclass
@@ -632,6 +680,17 @@ def _modes(problem, lo, hi, grid_n, keep=8):
     return [m for m in modes if m[1] > top - 60.0]
 
 
+def _separated(modes, logmass, distance=3.0):
+    """The modes that place breakpoints: heaviest first, dropping any whose centre lies within
+    ``distance`` Laplace sd (Mahalanobis) of one already kept (their panels would interleave)."""
+    kept = []
+    for i in np.argsort(-np.asarray(logmass)):
+        x, _, C = modes[i]
+        if all((x - y) @ np.linalg.solve(Cy, x - y) >= distance ** 2 for y, Cy, _ in kept):
+            kept.append((x, C, logmass[i]))
+    return kept
+
+
 def _hessian(problem, s, x, h):
     d = len(x)
     pts = [x]
@@ -663,7 +722,9 @@ def _laplace_cov(H, sd):
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def _integrate(problem, tol, n, grid_n, mp_pass, K=12.0):
+def _integrate(problem, tol, n, grid_n, mp_pass, fixed=False, K=12.0):
+    """The moments of ``problem``: adaptive nested Gauss–Legendre to ``tol`` (× mass), or with
+    ``fixed`` the nested product rules of orders n and n + 1 (error = their difference)."""
     t0 = time.perf_counter()
     info = {}
     for attempt in range(4):
@@ -674,28 +735,43 @@ def _integrate(problem, tol, n, grid_n, mp_pass, K=12.0):
         shift = modes[0][1]
         ell, Z = problem.logterms(x_top[None])
         Zref = Z[int(np.argmax(ell[:, 0])), 0]
-        laplace = sum(math.exp(l - shift) * math.sqrt(np.linalg.det(2 * math.pi * C)) for _, l, C in modes)
-        ctx = _Ctx(problem, lo, hi, [(x, C) for x, _, C in modes], shift, Zref, n)
-        atol = tol * laplace
-        for _ in range(3):
-            log = {}
-            value, err = _nested(ctx, 0, np.zeros((1, 0)), np.array([atol]), log)
-            mass = value[0, 0]
-            if err[0] <= 2 * tol * mass:
-                break
-            atol = tol * mass
+        logmass = [l - shift + 0.5 * np.linalg.slogdet(2 * math.pi * C)[1] for _, l, C in modes]
+        laplace = sum(math.exp(v) for v in logmass)
+        ctx = _Ctx(problem, lo, hi, _separated(modes, logmass), shift, Zref, n)
+        if fixed:
+            volume = np.prod(hi[:-1] - lo[:-1])
+            ctx.last_atol, ctx.last_error = tol * laplace / volume, 0.0
+            coarse, nodes_coarse = _fixed_sum(ctx, n)
+            fine, nodes = _fixed_sum(ctx, n + 1)
+            value, err, mass = fine, ctx.last_error / 2, fine[0]
+            g0, dg0, _ = _assemble_np(problem, ctx, coarse, 0.0)
+            g1, dg1, _ = _assemble_np(problem, ctx, fine, 0.0)
+            info.update(nodes=nodes + nodes_coarse, self_convergence=metric(g0, dg0, g1, dg1))
+        else:
+            atol = tol * laplace
+            for _ in range(3):
+                log = {}
+                value, err = _nested(ctx, 0, np.zeros((1, 0)), np.array([atol]), log)
+                value, err, mass = value[0], float(err[0]), value[0, 0]
+                if err <= 2 * tol * mass:
+                    break
+                atol = tol * mass
+            info.update(rounds=log["rounds"])
         log_tm, log_t2 = problem.tail(K, Zref)
         tail_mass = math.exp(log_tm - shift)
         tail_m2 = math.exp(log_t2 - shift) / np.linalg.eigvalsh(problem.V)[0]
         if tail_mass <= 1e-14 * mass and tail_m2 <= 1e-14 * mass:
             break
         K *= 1.5
-    info.update(K=K, modes=len(modes), evaluations=ctx.evaluations, design_seconds=time.perf_counter() - t0,
-                rounds=log["rounds"])
+    info.update(K=K, modes=len(modes), evaluations=ctx.evaluations,
+                design_seconds=time.perf_counter() - t0)
     tail = tail_mass + tail_m2 + math.sqrt(tail_mass * tail_m2)
-    quad = float(err[0]) + tail
-    g64, dg64, err64 = _assemble_np(problem, ctx, value[0], quad)
-    result = dict(g=g64, dg=dg64, error=err64, mass=mass, shift=shift, quad=quad)
+    quad = float(err) + tail
+    g64, dg64, err64 = _assemble_np(problem, ctx, value, quad)
+    if fixed:
+        err64 += info["self_convergence"]
+    result = dict(g=g64, dg=dg64, error=err64, mass=mass, shift=shift, quad=quad / mass,
+                  tail=tail / mass, log_z=float(np.log(mass) + shift))
     if mp_pass:
         result.update(_mp_pass(problem, ctx, log, quad, mass))
         result["f64_diff"] = metric(g64, dg64, result["g"], result["dg"])
@@ -844,14 +920,14 @@ def _assemble_mp(problem, ctx, acc):
 
 # -- public entry points --------------------------------------------------------------------------
 
-def _reference(problem, tol, n, grid_n, mp_pass, log_z=True):
-    res, info = _integrate(problem, tol, n, grid_n, mp_pass)
-    return Reference(res["g"], res["dg"], res.get("log_z") if log_z else None, res["error"],
-                     info["seconds"], info)
+def _reference(problem, tol, n, grid_n, mp_pass, fixed=False):
+    res, info = _integrate(problem, tol, n, grid_n, mp_pass, fixed)
+    return Reference(res["g"], res["dg"], res["log_z"], res["error"], info["seconds"], info)
 
 
 def reparam_l2(y, omega, V, skip=1.0, beta=1.0, tol=1e-10, n=10, mp_pass=True) -> Reference:
-    """Noiseless L = 2, T = 2 (2-D integral over h_1; mpmath evaluation of the certified rule)."""
+    """Noiseless L = 2, T = 2 (2-D integral over h_1; mpmath evaluation of the certified rule).
+    ``log_z`` = log ∫ Σ_± N([x; ±h_2(x)]; ω, V) / |det Φ(x)| dx (without the y-only factor)."""
     return _reference(ReparamL2(y, omega, V, skip, beta), tol, n, 81, mp_pass)
 
 
@@ -860,6 +936,120 @@ def noisy_l1(y, omega, V, beta=1.0, noise=0.1, tol=1e-10, n=10, mp_pass=True) ->
     return _reference(NoisyL1(y, omega, V, beta, noise), tol, n, 81, mp_pass)
 
 
-def reparam_l3(y, omega, V, skip=1.0, beta=1.0, tol=1e-7, n=6) -> Reference:
-    """Noiseless L = 3, T = 2 (4-D integral over (h_1, u_2), float64)."""
-    return _reference(ReparamL3(y, omega, V, skip, beta), tol, n, 15, False)
+def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=6, tol=1e-8) -> Reference:
+    """Noiseless L = 3, T = 2 (4-D integral over (h_1, u_2), float64): nested product rules
+    with n and n + 1 Gauss–Legendre nodes per panel on the outer three coordinates, the
+    innermost one adaptive (to ``tol`` × mass); the result is the finer rule and ``error`` is
+    the metric of the two rules' difference plus the propagated tail and innermost errors."""
+    return _reference(ReparamL3(y, omega, V, skip, beta), tol, n, 15, False, fixed=True)
+
+
+# -- fixed nested rule (4-D) ---------------------------------------------------------------------
+
+def _fixed_sum(ctx, n, prefix=None, weight=None, level=0, chunk=100_000):
+    """Σ weight · components over the nested product rule: at every level, Gauss–Legendre on
+    each panel between that level's breakpoints (box ends, cliffs, conditional mode points),
+    which depend on the prefix: n nodes per panel, max(3, n - 3) on the tail panels (outside
+    every used mode's centre ± 6 sd).  Returns the sums (K,) and the number of nodes."""
+    d = ctx.problem.d
+    if prefix is None:
+        prefix, weight = np.zeros((1, 0)), np.ones(1)
+    if level == d:
+        return ctx.sums(prefix, weight), len(weight)
+    if level == d - 1 and ctx.last_atol is not None:
+        # the innermost coordinate adaptively (its softmax cliffs are the sharpest features)
+        def f(owner, x):
+            return ctx.components(np.concatenate([prefix[owner], x[:, None]], axis=1)), np.zeros(len(x))
+        before = ctx.evaluations
+        value, err, _, _ = _adaptive(f, ctx.breaks(level, prefix), np.full(len(prefix), ctx.last_atol),
+                                     ctx.n, ctx.K)
+        ctx.last_error += weight @ err
+        return weight @ value, ctx.evaluations - before
+    B, first, last = ctx.breaks(level, prefix, core=True)
+    a, b = B[:, :-1], B[:, 1:]
+    half, mid = 0.5 * (b - a), 0.5 * (a + b)
+    tail = (b <= first[:, None]) | (a >= last[:, None])
+    xs, ws, owners = [], [], []
+    nk = n[level] if isinstance(n, tuple) else n
+    for count, mask in ((nk, ~tail & (half > 0)), (max(3, nk - 3), tail & (half > 0))):
+        xi, wi = _gauss_legendre(count)
+        own, col = np.nonzero(mask)
+        xs.append((mid[own, col][:, None] + half[own, col][:, None] * xi).ravel())
+        ws.append((weight[own] * half[own, col])[:, None] * wi)
+        owners.append(np.repeat(own, count))
+    idx = np.concatenate(owners)
+    order = np.argsort(idx, kind="stable")
+    idx = idx[order]
+    prefix = np.concatenate([prefix[idx], np.concatenate(xs)[order][:, None]], axis=1)
+    weight = np.concatenate([w.ravel() for w in ws])[order]
+    per = max(1, int((len(weight) / max(len(B), 1))) ** (d - level - 1))
+    step = max(1, chunk // per)
+    total, count = 0.0, 0
+    for i in range(0, len(weight), step):
+        s, c = _fixed_sum(ctx, n, prefix[i:i + step], weight[i:i + step], level + 1, chunk)
+        total, count = total + s, count + c
+    return total, count
+
+
+# -- an independent check of the 2-D integrator: plain nested mp.quad --------------------------
+
+def mpquad_check(problem_name, *args, dps=20, K=12.0, **kwargs):
+    """g_out, dg_out of a 2-D case (``"reparam_l2"`` or ``"noisy_l1"``) by nested mp.quad
+    (tanh-sinh) at ``dps`` digits, one component at a time over the same box, split at the
+    softmax cliffs (a = 0; b = 0, b = a) and at the modes' (conditional) centres ± {2, 6} sd.
+    Integrand values are cached, so the components share their common nodes.  Slow (minutes)."""
+    t0 = time.perf_counter()
+    problem = {"reparam_l2": ReparamL2, "noisy_l1": NoisyL1}[problem_name](*args, **kwargs)
+    problem._setup_mp()
+    lo, hi = (np.asarray(v, float) for v in problem.box(K))
+    modes = _modes(problem, lo, hi, 81)
+    shift = _mpf(modes[0][1])
+    R, T = problem.R, problem.T
+    RT = R * T
+    cache = {}
+
+    def values(a, b):
+        key = (a, b)
+        if key not in cache:
+            mass, first, second = mp.zero, [mp.zero] * RT, [[mp.zero] * RT for _ in range(RT)]
+            for ell, Z in problem.logterms_mp([a, b]):
+                e = mp.exp(ell - shift)
+                z = [Z[i][t] for i in range(R) for t in range(T)]
+                mass += e
+                first = [f + e * v for f, v in zip(first, z)]
+                second = [[s + e * v * w for s, w in zip(row, z)] for row, v in zip(second, z)]
+            cache[key] = (mass, first, second)
+        return cache[key]
+
+    def outer_points():
+        pts = [lo[0], hi[0], 0.0] + [x[0] + o * math.sqrt(C[0, 0]) for x, _, C in modes for o in (-6, -2, 0, 2, 6)]
+        return sorted({_mpf(min(max(p, lo[0]), hi[0])) for p in pts})
+
+    def inner_points(a):
+        pts = [lo[1], hi[1], 0.0, float(a)]
+        for x, _, C in modes:
+            mu = x[1] + C[1, 0] / C[0, 0] * (float(a) - x[0])
+            s = math.sqrt(max(C[1, 1] - C[1, 0] ** 2 / C[0, 0], 1e-300))
+            pts += [mu + o * s for o in (-6, -2, 0, 2, 6)]
+        return sorted({_mpf(min(max(p, lo[1]), hi[1])) for p in pts} | ({a} if lo[1] < a < hi[1] else set()))
+
+    def component(pick):
+        return mp.quad(lambda a: mp.quad(lambda b: pick(values(a, b)), inner_points(a)), outer_points())
+
+    with mp.workdps(dps):
+        mass = component(lambda v: v[0])
+        mean = [component(lambda v, k=k: v[1][k]) / mass for k in range(RT)]
+        second = [[component(lambda v, i=i, j=j: v[2][i][j]) / mass if j >= i else None
+                   for j in range(RT)] for i in range(RT)]
+        cov = [[(second[min(i, j)][max(i, j)] - mean[i] * mean[j]) for j in range(RT)] for i in range(RT)]
+        P = problem._P_mp
+        om = problem._omega_mp
+        g = [[mp.fsum(P[a, b] * (mean[b * T + t] - om[b][t]) for b in range(R)) for t in range(T)]
+             for a in range(R)]
+        dg = [[mp.fsum(P[i // T, k // T] * cov[k][l] * P[l // T, j // T]
+                       for k in range(RT) for l in range(RT) if k % T == i % T and l % T == j % T)
+               - (P[i // T, j // T] if i % T == j % T else 0) for j in range(RT)] for i in range(RT)]
+        log_z = mp.log(mass) + shift
+    return Reference(np.array([[float(v) for v in row] for row in g]),
+                     np.array([[float(v) for v in row] for row in dg]), float(log_z), float("nan"),
+                     time.perf_counter() - t0, {"evaluations": len(cache)})

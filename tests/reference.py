@@ -23,8 +23,9 @@ mpmath context is used, so the global ``mpmath.mp.dps`` is left alone.
 """
 from __future__ import annotations
 
-import zlib
+import hashlib
 from dataclasses import dataclass, replace
+from itertools import permutations
 
 import mpmath
 import numpy as np
@@ -32,10 +33,11 @@ import numpy as np
 mp = mpmath.MPContext()
 mp.dps = 50
 
-# Finite differences: step 1e-50 at 150 digits.  Truncation error O(step²) ≈ 1e-100 (times the
-# third derivative), cancellation error ≈ 1e-150 / 1e-50 = 1e-100, both absolute.  (At 50 digits
-# with a step of 1e-20 the cancellation error would be 1e-30 absolute: larger than the whole
-# Jacobian of a saturated softmax, whose entries go down to e^-100 ≈ 1e-44 next to entries ≈ 1.)
+# Finite differences: relative step 1e-50 at 150 digits (more for inputs below unit scale, see
+# jacobian_mp).  Truncation error O(step²) ≈ 1e-100 (times the third derivative), cancellation
+# error ≈ 1e-150 / 1e-50 = 1e-100, both absolute.  (At 50 digits with a step of 1e-20 the
+# cancellation error would be 1e-30 absolute: larger than the whole Jacobian of a saturated
+# softmax, whose entries go down to e^-100 ≈ 1e-44 next to entries ≈ 1.)
 FD_DPS = 150
 FD_STEP = "1e-50"
 
@@ -81,6 +83,39 @@ def add(A: list, B: list) -> list:
 
 def scale(s, A: list) -> list:
     return [[s * a for a in row] for row in A]
+
+
+def det(A: list):
+    """Determinant by the Leibniz formula (T ≤ 4 here: at most 24 terms), exact up to the
+    working precision; unlike mpmath's LU it never gives up on a (nearly) singular matrix."""
+    n = len(A)
+    total = []
+    for perm in permutations(range(n)):
+        sign = 1
+        for i in range(n):
+            for j in range(i + 1, n):
+                if perm[i] > perm[j]:
+                    sign = -sign
+        term = mp.mpf(sign)
+        for i in range(n):
+            term *= A[i][perm[i]]
+        total.append(term)
+    return mp.fsum(total)
+
+
+def cofactors(A: list) -> list:
+    """cof_ij = (-1)^(i+j) det(A without row i and column j); A⁻¹ = cofᵀ / det A."""
+    n = len(A)
+    if n == 1:
+        return [[mp.one]]
+    return [[(-1) ** (i + j) * det([[A[k][l] for l in range(n) if l != j] for k in range(n) if k != i])
+             for j in range(n)] for i in range(n)]
+
+
+def permanent_abs(A: list):
+    """Σ over permutations of Π |A_i,perm(i)|: the size of the terms that det A sums."""
+    n = len(A)
+    return mp.fsum(mp.fprod(abs(A[i][p[i]]) for i in range(n)) for p in permutations(range(n)))
 
 
 # -- links ---------------------------------------------------------------------------------------
@@ -146,7 +181,7 @@ class Model:
         if self.perturb is None:
             return A
         delta, seed = mp.mpf(self.perturb[0]), self.perturb[1]
-        sign = lambda i, j: 1 - 2 * (zlib.crc32(f"{seed}:{tag}:{i}:{j}".encode()) & 1)
+        sign = lambda i, j: 1 - 2 * (hashlib.blake2b(f"{seed}:{tag}:{i}:{j}".encode()).digest()[0] & 1)
         return [[x * (1 + delta * sign(i, j)) for j, x in enumerate(row)] for i, row in enumerate(A)]
 
     def _readout(self, layer: int, head: int):
@@ -253,29 +288,34 @@ class Model:
             out.append(float(worst))
         return np.array(out)
 
-    def mixing(self, Z) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def mixing(self, Z) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For a batch of full or earlier-layer index rows: Φ⁽ᴸ⁻¹⁾ (n, T, T), log|det Φ⁽ᴸ⁻¹⁾|
-        (n,) (-inf when Φ is exactly singular) and the condition number of the determinant
+        (n,) (-inf when Φ is singular to 50 digits), and two ratios (n,), both ≥ 1 (inf when
+        singular):
 
-            κ = Σ_ij |Φ_ij · cof_ij(Φ)| / |det Φ|   (≥ 1; inf when singular),
-
-        the relative change of det Φ per unit relative change of the entries of Φ: log|det|
-        computed from a Φ whose entries carry relative errors δ is uncertain by ≈ κ·δ."""
-        phis, logdets, kappas = [], [], []
+            κ   = Σ_ij |Φ_ij · cof_ij(Φ)| / |det Φ|, the condition number of the determinant:
+                  log|det| computed from a Φ whose entries carry relative errors δ is
+                  uncertain by ≈ κ·δ, whatever the algorithm;
+            κ_H = Π_i ‖Φ_i,:‖₂ / |det Φ| (Hadamard ratio), the normwise counterpart: an
+                  algorithm that is only normwise stable is accurate to ≈ u·κ_H.  κ_H ≫ κ
+                  when the columns of Φ have very different scales."""
+        phis, logdets, kappas, hadamard = [], [], [], []
         for z in np.asarray(Z):
-            Phi = mp.matrix(self.mixing_mp(to_mp(z)))
-            det = mp.det(Phi)
-            phis.append(to_float(Phi.tolist()))
-            if det == 0:
-                logdets.append(-np.inf)
+            Phi = self.mixing_mp(to_mp(z))
+            phis.append(to_float(Phi))
+            d, T = det(Phi), len(Phi)
+            if abs(d) <= mp.mpf(10) ** (20 - mp.dps) * permanent_abs(Phi):
+                logdets.append(-np.inf)          # singular to within the 50-digit rounding
                 kappas.append(np.inf)
+                hadamard.append(np.inf)
                 continue
-            inv = mp.inverse(Phi)                      # cof_ij = det · (Φ⁻¹)_ji
-            T = Phi.rows
-            kappa = mp.fsum(abs(Phi[i, j] * det * inv[j, i]) for i in range(T) for j in range(T)) / abs(det)
-            logdets.append(float(mp.log(abs(det))))
+            cof = cofactors(Phi)
+            kappa = mp.fsum(abs(Phi[i][j] * cof[i][j]) for i in range(T) for j in range(T)) / abs(d)
+            rows = mp.fprod(mp.sqrt(mp.fsum(x ** 2 for x in row)) for row in Phi)
+            logdets.append(float(mp.log(abs(d))))
             kappas.append(float(kappa))
-        return np.stack(phis), np.array(logdets), np.array(kappas)
+            hadamard.append(float(rows / abs(d)))
+        return np.stack(phis), np.array(logdets), np.array(kappas), np.array(hadamard)
 
     def last_layer_vector(self, Z) -> np.ndarray:
         """u_L (n, T) for a batch (n, L, T) of tied rank-1 index rows."""
@@ -301,17 +341,19 @@ class Model:
             u = self.last_layer_vector_mp(zm)
             y = [x for row in last.forward_mp([u]) for x in row]
             J = mp.matrix(jacobian_mp(last.forward_mp, [u]))
-            Phi = mp.matrix(self.mixing_mp(zm))
+            Phi = self.mixing_mp(zm)
             Q, R = mp.qr(J, mode="skinny")            # J⁺ = R⁻¹ Qᵀ
             diag = [abs(R[i, i]) for i in range(T)]
             tiny = mp.mpf(10) ** (20 - mp.dps)
-            scale = max(abs(x) for row in Phi.tolist() for x in row) ** T
-            if min(diag) <= tiny * max(diag) or abs(mp.det(Phi)) <= tiny * scale:
+            d = det(Phi)
+            if min(diag) <= tiny * max(diag) or abs(d) <= tiny * permanent_abs(Phi):
                 A_u.append(np.inf)                    # singular to within 50-digit rounding
                 A_h.append(np.inf)
                 continue
             P = mp.inverse(R) * Q.T
-            Pinv = mp.inverse(Phi)
+            cof = cofactors(Phi)
+            Pinv = mp.matrix([[cof[j][i] / d for j in range(T)] for i in range(T)])
+            Phi = mp.matrix(Phi)
             K = [mp.fsum(abs(P[i, k]) * abs(y[k]) for k in range(T * T)) for i in range(T)]
             h = zm[self.layers - 1]
             PhiH = [mp.fsum(abs(Phi[i, j]) * abs(h[j]) for j in range(T)) for i in range(T)]
@@ -319,16 +361,6 @@ class Model:
             A_u.append(float(max(K)))
             A_h.append(float(max(bound)))
         return np.array(A_u), np.array(A_h)
-
-    def logit_sizes(self, Z) -> np.ndarray:
-        """max |β·logit| of each sample (n,)."""
-        return np.array([float(max(abs(x) for x in self.logits_mp(to_mp(z)))) for z in np.asarray(Z)])
-
-    def logit_gradient_scale(self, Z) -> np.ndarray:
-        """G (n,): the largest |∂(β·M_ℓ)/∂Z| over layers, heads, logits and inputs (finite
-        differences): the scale of the logit derivatives that the softmax Jacobians multiply."""
-        return np.array([float(max(abs(x) for row in jacobian_mp(self.logits_mp, to_mp(z)) for x in row))
-                         for z in np.asarray(Z)])
 
     def scale_layers(self, raw, sizes) -> np.ndarray:
         """Index rows (R, T) with each layer's largest |β·logit| set to ``sizes[ℓ]``.

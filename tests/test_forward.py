@@ -1,20 +1,19 @@
 """Forward kernels of deep attention (spec §2): compiled kernel == lambdify twin == mpmath.
 
-The ground truth is tests/reference.py (mpmath at 50 digits, written from the spec alone).
-Inputs are drawn with a controlled softmax saturation: each layer's largest |β·logit| is drawn
-in [0, 50] (so rows of y reach e^-100 next to 1), β in [0.1, 10] (log-uniform), skip c in
-[0, 10], over every pre-generated (L, T, r) of the tied softmax model.
+The ground truth is tests/reference.py (mpmath at 50 digits, written from the spec alone; its
+Jacobians are central differences at 150+ digits).  Inputs are drawn with a controlled softmax
+saturation: each layer's largest |β·logit| is 0 or drawn in [1e-6, 50] (so rows of y reach
+e^-100 next to 1), β in [0.1, 10] (log-uniform), skip c in [0, 10], over every pre-generated
+(L, T, r) of the tied softmax model (helpers.tied_inputs).
 
 Error metrics (all per sample):
 - y, Φ: componentwise relative, |x - x_ref| ≤ 1e-12 |x_ref| (all entries are > 0).
 - ∂y/∂Z: normwise relative, max|J - J_ref| ≤ 1e-12 · max|J_ref| + S, S the conditioning
   allowance (how far the exact J moves when the inputs and every intermediate value are
-  perturbed by relative 1e-13); see test_jacobian_matches_mpmath.  On saturated rows the kernels miss this (a known defect,
-  xfail test_jacobian_saturated_softmax_relative); test_jacobian_saturated_absolute_accuracy
-  records the absolute accuracy they do achieve there.
+  perturbed by relative 1e-13); see test_jacobian_matches_mpmath.
 - log|det Φ|: absolute error ≤ 1e-12 · max(1, κ), κ the condition number of det with respect to
-  relative perturbations of the entries of Φ; for T ≥ 3 only where κ ≤ 100 (see
-  test_mixing_matches_mpmath and the xfail test_logdet_near_singular_berkowitz).
+  relative perturbations of the entries of Φ; for T ≥ 3 only where the Hadamard ratio
+  κ_H ≤ 10 · max(1, κ) (known defect beyond: xfail test_logdet_berkowitz_unstable).
 """
 from __future__ import annotations
 
@@ -82,19 +81,21 @@ def test_spec_check_value():
 @FEW
 @given(data=st.data())
 def test_jacobian_matches_mpmath(L, T, r, data):
-    """∂y/∂Z (compiled and twin) against 150-digit finite differences of the mpmath model, with
-    every layer's |β·logit| ≤ 5 (softmax entries down to ≈ e^-10; see below for saturation).
+    """∂y/∂Z (compiled and twin) against finite differences of the mpmath model at 150+ digits,
+    saturated rows included (every layer's |β·logit| up to 50: derivatives down to ≈ 1e-44
+    next to entries ≈ 1).
 
     Metric, per sample: max|J - J_ref| ≤ 1e-12 · max|J_ref| + S, where S is how far the exact
     Jacobian moves when the inputs and every intermediate value (logits, u_ℓ, attention
     matrices, Φ⁽ℓ⁾) are multiplied by fixed random factors 1 ± 1e-13 (≈ 900 unit roundoffs;
-    reference.Model.jacobian_sensitivity).  S is the conditioning allowance: where u_L is nearly
-    constant (e.g. c = 0 with nearly uniform early layers, or h_L ∝ (1, …, 1)), y depends on Z
-    only through small differences of large numbers, and ∂y/∂h_L relies on rows of attention
-    matrices summing to exactly one; no float64 evaluation then gives J to 1e-12 relative.
-    Elsewhere S ≪ 1e-12·max|J| and the plain relative criterion applies.  (Measured: the
-    kernels' error is ≤ 3e-3 · S in the cases where S is what lets them pass.)"""
-    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=1, max_size=5.0))
+    reference.Model.jacobian_sensitivity).  S is the conditioning allowance: where two tokens'
+    u_ℓ nearly coincide (e.g. c ≈ 0 and two rows of an attention matrix saturated onto the same
+    token, or h_L ∝ (1, …, 1)), y depends on Z only through small differences of large numbers
+    (logits u_t u_s - u_t u_t, or entries of two rows of an attention matrix that both sum to
+    one), and no float64 evaluation gives J to 1e-12 relative.  Elsewhere S ≪ 1e-12 · max|J|
+    and the plain relative criterion applies.  (Measured over 300 random draws up to
+    |β·logit| = 50: in the 55 where S is what lets the kernels pass, their error is ≤ 0.012·S.)"""
+    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=1))
     ref = Model(L, T, r, skip=c, beta=beta)
     J_ref, S = ref.forward_jacobian(Z), ref.jacobian_sensitivity(Z)
     for backend in ("compiled", "twin"):
@@ -103,23 +104,6 @@ def test_jacobian_matches_mpmath(L, T, r, data):
         for i in range(len(Z)):
             err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
             assert err <= RTOL * scale + S[i], (backend, i, err, scale, S[i])
-
-
-@pytest.mark.parametrize("L,T,r", [(1, 2, 1), (2, 3, 1), (3, 4, 2)])
-@FEW
-@given(data=st.data())
-def test_jacobian_saturated_absolute_accuracy(L, T, r, data):
-    """With every layer's |β·logit| up to 50, what the kernels achieve today: an absolute error
-    ≤ 1e-12 · max|J_ref| + 1e-13 · G, G = max|∂(β·M_ℓ)/∂Z| the scale of the logit derivatives
-    (measured: ≤ 5e-15 · G).  This is weaker than the 1e-12 relative contract, which the kernels
-    miss on saturated rows (test_jacobian_saturated_softmax_relative, xfail)."""
-    Z, c, beta = data.draw(tied_inputs(L, T, r, n_max=1))
-    ref = Model(L, T, r, skip=c, beta=beta)
-    J_ref, G = ref.forward_jacobian(Z), ref.logit_gradient_scale(Z)
-    J = model(layers=L, tokens=T, rank=r, skip=c, beta=beta).forward_jacobian(Z)
-    for i in range(len(Z)):
-        err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
-        assert err <= RTOL * scale + 1e-13 * G[i], (i, err, scale, G[i])
 
 
 def _saturated(L, T, direction, size, seed=0):
@@ -137,7 +121,7 @@ def _saturated(L, T, direction, size, seed=0):
 
 SATURATED = {
     # h = √50 (1, -0.6): logits β h hᵀ = [[50, -30], [-30, 18]], y₀₁ ≈ e^-80, y₁₀ ≈ e^-48;
-    # max|J| ≈ 2.2e-20 (∂y₁₁/∂h₁), which the kernels return as 0.
+    # max|J| ≈ 2.2e-20 (∂y₁₁/∂h₁).
     "L1_T2": (1, 2, np.array([[[np.sqrt(50.0), -0.6 * np.sqrt(50.0)]]])),
     "L2_T2": (2, 2, _saturated(2, 2, [1.0, -0.6], 50.0)),
     "L3_T2": (3, 2, _saturated(3, 2, [1.0, -0.6], 50.0)),
@@ -145,18 +129,16 @@ SATURATED = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: the softmax row maximum is held constant in "
-                   "the chain rule (derive/links.py), so ∂y_tt/∂Z of a saturated row (y_tt ≈ 1) "
-                   "is a difference of two terms of size β|∂M/∂Z| that cancel")
 @pytest.mark.parametrize("backend", ["compiled", "twin"])
 @pytest.mark.parametrize("case", sorted(SATURATED))
-def test_jacobian_saturated_softmax_relative(case, backend):
+def test_jacobian_saturated_softmax(case, backend):
     """The 1e-12 relative contract on fully saturated samples (every softmax row saturated;
-    |β·logit| up to 50, 100 for T ≥ 3 where it takes more to saturate every row).
-    The kernels' absolute error is ≈ 1e-16 · β|∂M/∂Z| ≈ 1e-15, but the whole Jacobian is
-    ≈ 1e-20 or smaller, so the normwise relative error is O(1).  Not conditioning: the
-    allowance S of test_jacobian_matches_mpmath is ≈ 1e-31 here, and the stable form
-    ∂σ_ts = σ_ts Σ_k σ_tk (∂x_ts - ∂x_tk) (x = β·M) gives 5e-15 relative error on L1_T2."""
+    |β·logit| up to 50, 100 for T = 3 where it takes more to saturate every row): the whole
+    Jacobian is ≈ 1e-20 (T = 2) or 6e-9 (L2_T3) while β|∂M/∂Z| ≈ 10.  Regression test: when
+    the chain rule went through e_s = exp(β(M_ts - m_t)) and w = 1/Σ e with the row maximum m_t
+    held fixed, ∂y_tt/∂Z of a row with y_tt ≈ 1 was the difference of two terms of size
+    β|∂M/∂Z| and came out as 0 (normwise relative error 1.0 on the T = 2 cases, 1e-7 on L2_T3);
+    the form dσ_ts = β σ_ts Σ_{k≠s} σ_tk (dM_ts - dM_tk) gives ≤ 6e-14 (S ≤ 1e-19 here)."""
     L, T, Z = SATURATED[case]
     ref = Model(L, T, 1)
     J_ref, S = ref.forward_jacobian(Z), ref.jacobian_sensitivity(Z)
@@ -174,18 +156,20 @@ def test_mixing_matches_mpmath(L, T, r, data):
     products, so there is no cancellation).
 
     log|det Φ⁽ᴸ⁻¹⁾| to 1e-12 · max(1, κ) absolute, κ the condition number of the determinant
-    with respect to relative changes of the entries of Φ (an Φ known to relative accuracy δ fixes
-    log|det| only to ≈ κ·δ; κ is large when c < 1 and the attention matrices are nearly rank
-    one).  LU (numpy.linalg.slogdet) on the kernel's own Φ stays within 2e-15 · κ everywhere, but
-    the kernels' Berkowitz expansion does not for T ≥ 3 once κ ≳ 1e2 (T = 4) or 1e4 (T = 3) (a
-    known defect, test_logdet_near_singular_berkowitz), so for T ≥ 3 log|det| is checked only
-    where κ ≤ 100.  Beyond κ = 1e14 a float64 Φ does not determine its determinant at all
-    (κ·ulp ≳ 0.01), and -inf (a determinant rounded to 0, e.g. c = 1e-9 and zero indices) is
-    as good an answer as any; it must never be NaN.  Full Z and the first (L-1)·r rows give
-    identical results."""
+    with respect to relative changes of the entries of Φ (an Φ known to relative accuracy δ
+    fixes log|det| only to ≈ κ·δ; κ is large when c < 1 and the attention matrices are nearly
+    rank one).  For T = 2 the kernels' determinant ad - bc meets this up to κ = 1e14; beyond,
+    a float64 Φ does not determine its determinant (κ·u ≳ 0.01) and -inf (a determinant
+    rounded to 0) is as good an answer as any, but never NaN.  For T ≥ 3 the kernels use the
+    Berkowitz expansion, which is only normwise stable: its error is ≤ 30·u·κ_H (measured), κ_H
+    the Hadamard ratio Π‖Φ_i‖/|det Φ|, and κ_H ≫ κ when the columns of Φ have very different
+    scales (c ≈ 0 and saturated attention), where LU (numpy.linalg.slogdet) on the kernel's own
+    Φ still gets ≈ u·κ.  So for T ≥ 3 the contract is checked where κ_H ≤ 10 · max(1, κ);
+    test_logdet_berkowitz_unstable (xfail) pins the defect.  Full Z and the first (L-1)·r rows
+    give identical results."""
     Z, c, beta = data.draw(tied_inputs(L, T, r))
     ref = Model(L, T, r, skip=c, beta=beta)
-    phi_ref, logdet_ref, kappa = ref.mixing(Z)
+    phi_ref, logdet_ref, kappa, kappa_h = ref.mixing(Z)
     for backend in ("compiled", "twin"):
         m = model(backend, layers=L, tokens=T, rank=r, skip=c, beta=beta)
         mix, mix_prev = m.mixing(Z), m.mixing(Z[:, :(L - 1) * r])
@@ -194,29 +178,42 @@ def test_mixing_matches_mpmath(L, T, r, data):
         assert mix.phi.shape == (len(Z), T, T) and mix.logdet.shape == (len(Z),)
         assert rel_err(mix.phi, phi_ref) <= RTOL
         assert not np.isnan(mix.logdet).any()
-        checked = (kappa <= 1e14) & ((T == 2) | (kappa <= 100))
+        checked = (kappa <= 1e14) & ((T == 2) | (kappa_h <= 10 * np.maximum(1.0, kappa)))
         err = np.abs(mix.logdet[checked] - logdet_ref[checked])
         assert (err <= RTOL * np.maximum(1.0, kappa[checked])).all(), (backend, err, kappa[checked])
 
 
+BERKOWITZ = {
+    # Z = 0 gives Φ⁽¹⁾ = c I + 11ᵀ/T: log|det Φ⁽ᴸ⁻¹⁾| = (L-1)((T-1) log c + log(1+c)) exactly.
+    "L3_T3_zero": (3, 3, 1e-4, 1.0, np.zeros((1, 3, 3))),
+    "L3_T4_zero": (3, 4, 1e-3, 1.0, np.zeros((1, 3, 4))),
+    "L2_T4_zero": (2, 4, 1e-3, 1.0, np.zeros((1, 2, 4))),
+    # not nearly singular in the entrywise sense (κ = 31), but the columns of Φ range from 1e-12
+    # to 0.9 (κ_H = 2e11)
+    "L2_T4_scaled": (2, 4, 1e-9, 2.28, np.array([[[-4.13416574, -1.66618637, -4.38417278, -2.52488719],
+                                                  [-1.1076748, -3.99022881, 4.57434461, 1.56077664]]])),
+}
+
+
 @pytest.mark.xfail(strict=True, reason="known defect: log|det Φ| by the Berkowitz expansion of Φ "
-                   "(derive/attention.determinant) is unstable for nearly singular Φ, T ≥ 3")
+                   "(derive/attention.determinant) is only normwise stable (T ≥ 3)")
 @pytest.mark.parametrize("backend", ["compiled", "twin"])
-@pytest.mark.parametrize("L,T,c", [(3, 3, 1e-4), (3, 4, 1e-3), (2, 4, 1e-3)])
-def test_logdet_near_singular_berkowitz(L, T, c, backend):
-    """Z = 0 gives Φ⁽¹⁾ = c I + 11ᵀ/T, so log|det Φ⁽ᴸ⁻¹⁾| = (L-1)((T-1) log c + log(1+c))
-    exactly.  Φ itself is right to 1e-15, and numpy.linalg.slogdet of the kernel's Φ gets
-    log|det| to ≤ 5e-10 (κ ≤ 1.3e8, so within 1e-12·κ); the kernels' log|det| is off by
-    0.04 (L3 T3, κ = 1.3e8), 0.80 (L3 T4: -42.24 for -41.44, κ = 1.5e6) and 1e-8
-    (L2 T4, κ = 1.5e3), each far beyond 1e-12·κ."""
-    Z = np.zeros((1, L, T))
-    exact = (L - 1) * ((T - 1) * np.log(c) + np.log1p(c))
-    phi_ref, logdet_ref, kappa = Model(L, T, 1, skip=c).mixing(Z)
-    assert abs(logdet_ref[0] - exact) <= 1e-14 * abs(exact)
-    mix = model(backend, layers=L, tokens=T, rank=1, skip=c).mixing(Z)
-    assert rel_err(mix.phi, phi_ref) <= RTOL                              # Φ is fine ...
-    assert abs(np.linalg.slogdet(mix.phi[0])[1] - exact) <= RTOL * kappa[0]  # ... LU on it too ...
-    assert abs(mix.logdet[0] - exact) <= RTOL * kappa[0]                  # ... Berkowitz is not
+@pytest.mark.parametrize("case", sorted(BERKOWITZ))
+def test_logdet_berkowitz_unstable(case, backend):
+    """log|det Φ⁽ᴸ⁻¹⁾| to 1e-12 · κ where the kernels miss it.  Φ itself is right to ≤ 1e-15
+    componentwise, and numpy.linalg.slogdet (LU) of the kernel's own Φ meets the bound
+    (errors ≤ 5e-10 on the zero cases, 2.5e-14 on L2_T4_scaled); the kernels' log|det| is off
+    by 0.04 (L3_T3_zero, κ = 1.3e8), 0.80 (L3_T4_zero: -42.24 for -41.44, κ = 1.5e6), 1e-8
+    (L2_T4_zero, κ = 1.5e3) and 1.1e-6 (L2_T4_scaled, κ = 31)."""
+    L, T, c, beta, Z = BERKOWITZ[case]
+    phi_ref, logdet_ref, kappa, _ = Model(L, T, 1, skip=c, beta=beta).mixing(Z)
+    if case.endswith("zero"):
+        assert abs(logdet_ref[0] - (L - 1) * ((T - 1) * np.log(c) + np.log1p(c))) <= 1e-14 * abs(logdet_ref[0])
+    mix = model(backend, layers=L, tokens=T, rank=1, skip=c, beta=beta).mixing(Z)
+    bound = RTOL * max(1.0, kappa[0])
+    assert rel_err(mix.phi, phi_ref) <= RTOL                                    # Φ is fine ...
+    assert abs(np.linalg.slogdet(mix.phi[0])[1] - logdet_ref[0]) <= bound       # ... LU on it too ...
+    assert abs(mix.logdet[0] - logdet_ref[0]) <= bound                          # ... Berkowitz is not
 
 
 # -- evenness ---------------------------------------------------------------------------------
@@ -256,11 +253,14 @@ OTHERS = {
 
 @st.composite
 def other_inputs(draw, structure, n_max=2, max_size=20.0):
+    """(Z, c, β, readout, reference model), every layer's largest |β·logit| ≤ ``max_size``."""
     c, beta = draw(skips), draw(betas)
     readout = None
     if structure.get("architecture") == "multihead":
-        readout = draw(arrays(np.float64, (structure["layers"], structure["heads"]),
-                              elements=st.floats(-1.0, 2.0)))
+        # 0 or 1e-3 ≤ |a| ≤ 2: a weight like 1e-161 scales ∂y/∂Z below what the finite
+        # differences resolve (≈ 1e-100 absolute)
+        weights = st.one_of(st.just(0.0), st.floats(1e-3, 2.0), st.floats(-1.0, -1e-3))
+        readout = draw(arrays(np.float64, (structure["layers"], structure["heads"]), elements=weights))
     ref = Model(skip=c, beta=beta, readout=None if readout is None else tuple(map(tuple, readout)),
                 **structure)
     n = draw(st.integers(1, n_max))
@@ -271,14 +271,15 @@ def other_inputs(draw, structure, n_max=2, max_size=20.0):
 
 
 @pytest.mark.parametrize("name", sorted(OTHERS))
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=10)
 @given(data=st.data())
 def test_other_models_match_mpmath(name, data):
-    """Hardmax / linear links and untied / multi-head / seq2seq architectures against mpmath:
-    y to 1e-12 componentwise relative error (hardmax: exactly, on rows whose two largest
-    logits are not within 1e-9 relative of each other, or tie exactly), compiled == twin, and
-    ∂y/∂Z (not for hardmax) to 1e-12 normwise relative against finite differences, with the
-    same saturated-row floor 1e-15 · G as the tied model; every layer's |β·logit| ≤ 20 here."""
+    """Hardmax / linear links and untied / multi-head / seq2seq architectures against mpmath,
+    every layer's |β·logit| ≤ 20: y to 1e-12 (componentwise relative; normwise for the linear
+    link and, relative to Σ|a_Lk|, for multi-head, whose entries can have either sign; hardmax:
+    exactly, on rows whose two largest logits differ by more than 1e-9 relative), compiled ==
+    twin, and ∂y/∂Z (not for hardmax) to 1e-12 · max|J_ref| + S as in
+    test_jacobian_matches_mpmath."""
     structure = OTHERS[name]
     Z, c, beta, readout, ref = data.draw(other_inputs(structure))
     m = model(skip=c, beta=beta, readout=readout, **structure)
@@ -289,25 +290,26 @@ def test_other_models_match_mpmath(name, data):
         logits = np.array([ref.logits_mp(to_mp(z))[-T * T:] for z in Z], dtype=float)
         top = np.sort(logits.reshape(len(Z), T, T), axis=2)[:, :, -2:]
         gap = top[:, :, 1] - top[:, :, 0]
-        assume(np.all((gap == 0) | (gap > 1e-9 * np.abs(top).max(axis=2))))
+        # near-ties (h_L ∝ 1 makes all logits equal up to rounding) are decided by rounding;
+        # exact ties are test_hardmax_ties_take_the_first_maximum
+        assume(np.all(gap > 1e-9 * np.abs(top).max(axis=2)))
         np.testing.assert_array_equal(y, y_ref)
         np.testing.assert_array_equal(twin.forward(Z), y)
         return
     np.testing.assert_allclose(twin.forward(Z), y, rtol=RTOL, atol=0)
-    if name == "linear":   # entries of any sign: normwise relative per sample
+    if name == "linear":
         for i in range(len(Z)):
             assert np.abs(y[i] - y_ref[i]).max() <= RTOL * np.abs(y_ref[i]).max()
-    elif name == "multihead":   # Σ_k a_k σ_k with readout weights of either sign
+    elif name == "multihead":
         for i in range(len(Z)):
-            bound = np.abs(readout[-1]).sum()
-            assert np.abs(y[i] - y_ref[i]).max() <= RTOL * bound
+            assert np.abs(y[i] - y_ref[i]).max() <= RTOL * np.abs(readout[-1]).sum()
     else:
         assert rel_err(y, y_ref) <= RTOL
-    J, J_ref, G = m.forward_jacobian(Z), ref.forward_jacobian(Z), ref.logit_gradient_scale(Z)
+    J, J_ref, S = m.forward_jacobian(Z), ref.forward_jacobian(Z), ref.jacobian_sensitivity(Z)
     np.testing.assert_allclose(twin.forward_jacobian(Z), J, rtol=0, atol=RTOL * np.abs(J).max())
     for i in range(len(Z)):
         err, scale = np.abs(J[i] - J_ref[i]).max(), np.abs(J_ref[i]).max()
-        assert err <= max(RTOL * scale, 1e-15 * G[i]), (i, err, scale, G[i])
+        assert err <= RTOL * scale + S[i], (i, err, scale, S[i])
 
 
 def test_hardmax_ties_take_the_first_maximum():

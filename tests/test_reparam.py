@@ -14,17 +14,20 @@ conditioning of the inversion.  It is large when u_L is nearly constant (y nearl
 u_L is barely identifiable; e.g. c = 0 with early layers saturated onto one token makes Φ nearly
 rank one) or Φ⁽ᴸ⁻¹⁾ is nearly singular.  Draws where the conditioning alone allows less than 1e-8
 relative accuracy of h_L are skipped, so every checked sample is held to ≤ 1e-8 relative error
-and the well-conditioned majority to ≈ 1e-12.  Achieved (1500 random draws in this range, 1121
-kept; u = 1.1e-16 the unit roundoff): relative error of h_L median 2.0e-16, 90th percentile
-2.5e-15, max 1.1e-11 (an ill-conditioned draw), max 3.9e-14 where A_h ≤ 1e3·|h_L|; always
-≤ 5.3·u·A_u for u_L and, where the Berkowitz adjugate is stable (below), ≤ 3.0·u·A_h for h_L.
-The tolerance 1e-13 ≈ 900·u leaves a wide margin for rounding.
+and the well-conditioned majority to ≈ 1e-12.  Achieved (1500 random draws in this range with
+c ∈ {0, 10^U(-9,0), U(0,10)}, 1070 kept; u = 1.1e-16 the unit roundoff): relative error of h_L
+median 2.0e-16, 90th percentile 1e-14, max 7e-11 (an ill-conditioned draw), max 7.4e-13 where
+A_h ≤ 1e3·|h_L|; ≤ 9.3·u·A_u for u_L, and ≤ 2.7·u·A_h for h_L where the Berkowitz adjugate is
+stable (below).  The tolerance 1e-13 ≈ 900·u leaves a wide margin for rounding.
 
-The kernel computes h_L = adj(Φ) u_L / det Φ by the Berkowitz expansion.  For T ≥ 3 this is
-unstable once Φ is moderately ill-conditioned (κ ≳ 100, κ the condition number of det Φ, as in
-test_forward.py): up to 1e4·u·A_h where LU on the kernel's own Φ and u_L stays ≤ 2·u·A_h.
-So for T ≥ 3 h_L and log|det| are checked only where κ ≤ 100 (xfail
-test_h_near_singular_adjugate pins the defect).
+The kernel computes h_L = adj(Φ) u_L / det Φ and log|det Φ| by the Berkowitz expansion, which
+is only normwise stable: for T ≥ 3 its error grows with the Hadamard ratio
+κ_H = Π‖Φ_i‖/|det Φ| rather than with the entrywise condition number κ of det Φ (both from
+reference.Model.mixing, as in test_forward.py), and κ_H ≫ κ when the columns of Φ have very
+different scales (c ≈ 0, saturated attention).  So for T ≥ 3, h_L and log|det| are held to the
+metric where κ_H ≤ 10 · max(1, κ).  Elsewhere the kernel's h_L can miss it by far (5e4·u·A_h
+in test_h_berkowitz_adjugate_unstable, xfail, where LU on the kernel's own Φ and u_L gets
+≈ 2·u·A_h).
 """
 from __future__ import annotations
 
@@ -59,12 +62,12 @@ def round_trip_inputs(draw, L, T, n_max=3):
 
 
 def _conditioning(ref, Z):
-    """(A_u, A_h, κ) of every sample; κ = 1 for L = 1 (Φ⁽⁰⁾ = I)."""
+    """(A_u, A_h, κ, κ_H, log|det Φ|) of every sample (reference.Model.mixing); Φ⁽⁰⁾ = I."""
     A_u, A_h = ref.reparam_sensitivity(Z)
     if ref.layers == 1:
-        return A_u, A_h, np.ones(len(Z)), np.zeros(len(Z))
-    _, logdet, kappa = ref.mixing(Z)
-    return A_u, A_h, kappa, logdet
+        return A_u, A_h, np.ones(len(Z)), np.ones(len(Z)), np.zeros(len(Z))
+    _, logdet, kappa, kappa_h = ref.mixing(Z)
+    return A_u, A_h, kappa, kappa_h, logdet
 
 
 @pytest.mark.parametrize("L,T", CASES)
@@ -76,12 +79,13 @@ def test_round_trip(L, T, data):
     mixing kernel and as mpmath (to 1e-12 · max(1, κ)); L = 1 gives h_L = u_L and log|det| = 0.
     Compiled and twin kernels alike."""
     Z, c, beta, ref = data.draw(round_trip_inputs(L, T))
-    A_u, A_h, kappa, logdet_ref = _conditioning(ref, Z)
+    A_u, A_h, kappa, kappa_h, logdet_ref = _conditioning(ref, Z)
     h_true = Z[:, L - 1]
     h_norm = np.abs(h_true).max(axis=1)
     keep = DELTA * A_h <= 1e-8 * h_norm          # conditioning allows ≤ 1e-8 relative error
     assume(keep.any())
-    Z, A_u, A_h, kappa, logdet_ref, h_true, h_norm = (x[keep] for x in (Z, A_u, A_h, kappa, logdet_ref, h_true, h_norm))
+    Z, A_u, A_h, kappa, kappa_h, logdet_ref, h_true, h_norm = (
+        x[keep] for x in (Z, A_u, A_h, kappa, kappa_h, logdet_ref, h_true, h_norm))
     u_ref = ref.last_layer_vector(Z)
     u_norm = np.abs(u_ref).max(axis=1)
     for backend in ("compiled", "twin"):
@@ -89,7 +93,7 @@ def test_round_trip(L, T, data):
         y = m.forward(Z)
         rp = m.reparametrise(y, Z[:, :L - 1])
         assert rp.u.shape == rp.h.shape == (len(Z), T) and rp.logdet.shape == (len(Z),)
-        stable = (T == 2) | (kappa <= 100)
+        stable = (T == 2) | (kappa_h <= 10 * np.maximum(1.0, kappa))
         for i in range(len(Z)):
             s = 1.0 if np.abs(rp.u[i] - u_ref[i]).max() <= np.abs(rp.u[i] + u_ref[i]).max() else -1.0
             err_u = np.abs(rp.u[i] - s * u_ref[i]).max()
@@ -139,13 +143,13 @@ def test_both_signs_are_preimages():
 
 
 @pytest.mark.xfail(strict=True, reason="known defect: h_L = adj(Φ) u_L / det Φ by the Berkowitz "
-                   "expansion (derive/reparam.last_layer_index) is unstable for ill-conditioned Φ, T ≥ 3")
+                   "expansion (derive/reparam.last_layer_index) is only normwise stable (T ≥ 3)")
 @pytest.mark.parametrize("backend", ["compiled", "twin"])
-def test_h_near_singular_adjugate(backend):
-    """L = 3, T = 4, c = 0.0109, β = 1.266 (κ = 1.1e4, A_h = 9.9e6, |h_L| = 437): the
-    conditioning allows an error of 1e-13 · A_h ≈ 1e-6 in h_L, and numpy.linalg.solve on the
-    kernel's own Φ and u_L is off by 2e-10; the kernel's h_L is off by 5.5e-5 (1.3e-7 relative).
-    u_L itself is right to 3e-14."""
+def test_h_berkowitz_adjugate_unstable(backend):
+    """L = 3, T = 4, c = 0.0109, β = 1.266 (κ = 1.1e4, κ_H = 2.3e10, A_h = 9.9e6, |h_L| = 437):
+    the conditioning allows an error of 1e-13 · A_h ≈ 1e-6 in h_L, and numpy.linalg.solve on
+    the kernel's own Φ and u_L is off by 2e-10; the kernel's h_L is off by 5.5e-5 (1.3e-7
+    relative).  u_L itself is right to 3e-14."""
     beta, c = 1.265746602915107, 0.010895818311020863
     Z = np.array([[[0.0, -0.0, 0.0, 0.0],
                    [1.4311291880593794e+01, -2.4091026295508328e-01, 1.7728295203362574e+01, -7.4309672435581184e+00],
