@@ -14,7 +14,7 @@ from derive.attention import AttentionSpec
 from derive.registry import LinkSpec, attention_kernels, link_kernels
 
 from . import validate
-from .kernels import Kernel, first_bad_row
+from .kernels import BACKENDS, Kernel, first_bad_row
 
 
 class SMIModel:
@@ -25,6 +25,8 @@ class SMIModel:
     output_shape: tuple[int, ...]
 
     def __init__(self, kernels: dict, params: np.ndarray, backend: str, threads: int | None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.params = np.asarray(params, dtype=np.float64)
         self.backend = backend
         self._specs = kernels
@@ -112,6 +114,10 @@ class DeepAttention(SMIModel):
         H, _ = validate.batch("H", H, (rows, self.tokens))
         out = self.kernel("mixing")(H.reshape(len(H), -1), self.params)
         T = self.tokens
+        bad = first_bad_row(out)
+        if bad is not None:
+            raise ValueError(f"H gives a singular mixing matrix Φ⁽ᴸ⁻¹⁾ (sample {bad}): "
+                             "log|det Φ⁽ᴸ⁻¹⁾| is not finite")
         return Mixing(phi=out[:, :T * T].reshape(-1, T, T), logdet=out[:, T * T])
 
     def reparametrise(self, y, h_prev=None, tol: float = 1e-7) -> "Reparametrisation":

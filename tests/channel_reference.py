@@ -417,6 +417,8 @@ class ReparamL3(_Problem):
 
 OFFSETS = (-6.0, -2.0, 0.0, 2.0, 6.0)        # mode breakpoints, in conditional Laplace sd
 PRUNE = 30.0
+TAIL_DROP = 3
+GRADE = ()           # extra breakpoints around every cliff, in prior sd of the coordinate
 
 
 def _gauss_legendre(n):
@@ -486,7 +488,11 @@ class _Ctx:
         (M,), (M,) spanned by the used modes' centre ± 6 sd (outside it: tails)."""
         M = len(prefix)
         lo, hi = self.lo[k], self.hi[k]
-        cols = [np.full((M, 1), lo), np.full((M, 1), hi), self.problem.cliffs(k, prefix)]
+        cliffs = self.problem.cliffs(k, prefix)
+        cols = [np.full((M, 1), lo), np.full((M, 1), hi), cliffs]
+        if GRADE:
+            sd = (hi - lo) / 24.0
+            cols += [cliffs + sign * g * sd for g in GRADE for sign in (-1.0, 1.0)]
         scores = []
         for mu0, coef, s, prec, score0, c in self.cond[k]:
             if k == 0:
@@ -971,7 +977,7 @@ def _fixed_sum(ctx, n, prefix=None, weight=None, level=0, chunk=100_000):
     tail = (b <= first[:, None]) | (a >= last[:, None])
     xs, ws, owners = [], [], []
     nk = n[level] if isinstance(n, tuple) else n
-    for count, mask in ((nk, ~tail & (half > 0)), (max(3, nk - 3), tail & (half > 0))):
+    for count, mask in ((nk, ~tail & (half > 0)), (max(3, nk - TAIL_DROP), tail & (half > 0))):
         xi, wi = _gauss_legendre(count)
         own, col = np.nonzero(mask)
         xs.append((mid[own, col][:, None] + half[own, col][:, None] * xi).ravel())
