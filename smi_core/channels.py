@@ -280,8 +280,11 @@ class NoisyChannel(Channel):
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)
-        y, _ = validate.batch("y", y.reshape(len(y), *self.model.output_shape) if y.ndim else y,
-                              tuple(self.model.output_shape))
+        shape = tuple(self.model.output_shape)
+        if shape == () and y.ndim == 1:          # scalar outputs: (n,) is the natural form
+            y = y.reshape(-1)
+        else:
+            y, _ = validate.batch("y", y, shape)
         if len(y) != n:
             raise ValueError(f"y and omega must have the same number of samples, got {len(y)} and {n}")
         return y.reshape(n, -1)

@@ -413,6 +413,44 @@ class ReparamL3(_Problem):
         return out
 
 
+class NoisyL2(ReparamL3):
+    """P(y|Z) = N(y; σ_β(u_2 u_2ᵀ), Δ I_{T²}), L = 2, T = 2, in the coordinates x = (h_1, u_2),
+    u_2 = Φ⁽¹⁾h_2ᵀ (so the cliffs of both layers are coordinate lines): Z = [h_1; Φ⁽¹⁾⁻¹u_2],
+    density N(Z; ω, V) N(y; σ_β(u_2u_2ᵀ), Δ) / |det Φ⁽¹⁾| (float64 only; log_z exact)."""
+    d, S, R, T = 4, 1, 2, 2
+
+    def __init__(self, y, omega, V, skip, beta, noise):
+        _Problem.__init__(self, omega, V)
+        self.c, self.beta, self.noise = float(skip), float(beta), float(noise)
+        self.y = np.asarray(y, dtype=np.float64).reshape(2, 2)
+
+    def rows(self, X):
+        a, b, p, q = X.T
+        P1 = self._attention(a, b)
+        h2 = self._inv_apply(P1, (p, q))
+        det1 = P1[0] * P1[3] - P1[1] * P1[2]
+        s = _softmax2(p, q, self.beta, np)
+        sq = sum((yi - si) ** 2 for yi, si in zip(self.y.ravel(), s))
+        loglik = -sq / (2 * self.noise) - 2 * math.log(2 * math.pi * self.noise)
+        return [X[:, :2], np.stack(h2, axis=1)], loglik - np.log(np.abs(det1))
+
+    def box(self, K):
+        half1 = K * math.sqrt(self.V[0, 0])
+        B2 = (1 + self.c) * (np.abs(self.omega[1]).max() + K * math.sqrt(self.V[1, 1]))
+        return (np.concatenate([self.omega[0] - half1, [-B2, -B2]]),
+                np.concatenate([self.omega[0] + half1, [B2, B2]]))
+
+    def tail(self, K, Zref):
+        """(h_1, h_2) ~ N(ω, V ⊗ I) outside box_1 × box_2; the likelihood is ≤ (2πΔ)^{-T²/2}."""
+        T = self.T
+        log_sup = -0.5 * T * T * math.log(2 * math.pi * self.noise)
+        log_pout = math.log(4 * T) + log_ndtr(-K)
+        trace = T * np.trace(self.V)
+        A0 = 2 * np.sum((self.omega - Zref) ** 2)
+        m2 = 2 * math.sqrt(3) * trace * math.exp(0.5 * log_pout) + A0 * math.exp(log_pout)
+        return log_sup + log_pout, log_sup + math.log(m2)
+
+
 # -- quadrature ------------------------------------------------------------------------------------
 
 OFFSETS = (-6.0, -2.0, 0.0, 2.0, 6.0)        # mode breakpoints, in conditional Laplace sd
@@ -936,6 +974,11 @@ def reparam_l2(y, omega, V, skip=1.0, beta=1.0, tol=1e-10, n=10, mp_pass=True) -
 def noisy_l1(y, omega, V, beta=1.0, noise=0.1, tol=1e-10, n=10, mp_pass=True) -> Reference:
     """Noisy L = 1, T = 2 (2-D integral over h; log_z exact)."""
     return _reference(NoisyL1(y, omega, V, beta, noise), tol, n, 81, mp_pass)
+
+
+def noisy_l2(y, omega, V, skip=1.0, beta=1.0, noise=0.1, n=6) -> Reference:
+    """Noisy L = 2, T = 2 (4-D integral over (h_1, u_2), float64, as ``reparam_l3``)."""
+    return _reference(NoisyL2(y, omega, V, skip, beta, noise), None, n, 15, False, fixed=True)
 
 
 def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=6) -> Reference:
