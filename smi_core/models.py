@@ -114,10 +114,6 @@ class DeepAttention(SMIModel):
         H, _ = validate.batch("H", H, (rows, self.tokens))
         out = self.kernel("mixing")(H.reshape(len(H), -1), self.params)
         T = self.tokens
-        bad = first_bad_row(out)
-        if bad is not None:
-            raise ValueError(f"H gives a singular mixing matrix Φ⁽ᴸ⁻¹⁾ (sample {bad}): "
-                             "log|det Φ⁽ᴸ⁻¹⁾| is not finite")
         return Mixing(phi=out[:, :T * T].reshape(-1, T, T), logdet=out[:, T * T])
 
     def reparametrise(self, y, h_prev=None, tol: float = 1e-7) -> "Reparametrisation":
