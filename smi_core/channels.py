@@ -306,12 +306,13 @@ class NoisyChannel(Channel):
 
 class ClosedChannel:
     """Route 3: a closed form derived by SymPy (derive.closed) for a one-index, one-token link:
-    affine links with Gaussian noise, sign(z) without noise.  No quadrature, ``error`` = 0."""
+    affine links with Gaussian noise; without noise sign(z) and even links with two pre-images
+    ±r(y) (phase retrieval z², |z|).  No quadrature, ``error`` = 0."""
 
     route = "closed"
 
     def __init__(self, model, noise: float | None = None, threads: int | None = None):
-        from derive.closed import closed_form_program
+        from derive.closed import closed_form_program, support
         from derive.registry import KernelSpec
         from .kernels import Kernel
         link = model.link
@@ -326,6 +327,7 @@ class ClosedChannel:
         if program is None:
             raise ValueError(f"link {link.name!r} has no elementary closed-form channel "
                              f"({'noisy' if noise is not None else 'noiseless'}); use route='noisy'")
+        self.support = support(g, noisy=noise is not None)
         spec = KernelSpec(program.name, program.name, lambda: program)
         self._kernel = Kernel(spec, model.backend, threads=threads or 0)
 
@@ -335,6 +337,10 @@ class ClosedChannel:
         y = np.asarray(y, dtype=np.float64).reshape(-1)
         if y.shape != (n,) or not np.isfinite(y).all():
             raise ValueError(f"y must hold {n} finite scalar outputs, got shape {np.shape(y)}")
+        outside = {"sign": np.abs(y) != 1, "positive": y <= 0, "real": np.zeros(n, bool)}[self.support]
+        if outside.any():
+            raise ValueError(f"y must be {'±1' if self.support == 'sign' else '> 0'} for link "
+                             f"{self.model.link.name!r} (sample {int(np.argmax(outside))} is {y[outside][0]})")
         V = np.broadcast_to(np.asarray(V, dtype=np.float64).reshape(-1), (n,)) if np.size(V) in (1, n) else None
         if V is None or not (V > 0).all():
             raise ValueError("V must be positive (a (1, 1) matrix or one per sample)")

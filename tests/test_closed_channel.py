@@ -3,6 +3,7 @@ and against the generic noisy route."""
 import numpy as np
 import pytest
 import sympy as sp
+import mpmath as mp
 from scipy import integrate
 
 from smi_core import LinkModel, index_symbols, register_link
@@ -43,3 +44,41 @@ def test_no_closed_form_is_a_clear_error():
     register_link("test_square", H[0, 0] ** 2)
     with pytest.raises(ValueError, match="no elementary closed-form channel"):
         LinkModel("test_square").channel(noise=0.1, route="closed")
+
+
+register_link("test_phase_retrieval", H[0, 0] ** 2)
+register_link("test_abs", sp.Abs(H[0, 0]))
+
+
+def _two_point_reference(y, omega, V, r, dg):
+    """mpmath at 40 digits: log Z_out = log Σ_± N(±r; ω, V) − log|g'(r)| and its ω-derivatives."""
+    mp.mp.dps = 40
+    r, V = mp.mpf(r), mp.mpf(V)
+    log_z = lambda w: mp.log(mp.npdf(r, w, mp.sqrt(V)) + mp.npdf(-r, w, mp.sqrt(V))) - mp.log(dg)
+    w = mp.mpf(omega)
+    return [float(mp.diff(log_z, w, k)) for k in range(3)]
+
+
+@pytest.mark.parametrize("name, root, slope", [
+    ("test_phase_retrieval", np.sqrt, lambda r: 2 * r),
+    ("test_abs", lambda y: y, lambda r: 1.0)])
+def test_noiseless_even_link_two_point_channel(name, root, slope):
+    """g(z) = z², |z| without noise: P(y|z) = δ(y − g(z)); against mpmath, over V from 1 down to
+    1e-6 and |ω r / V| up to 4e6 (where 2cosh overflows a double)."""
+    y = np.array([0.3, 2.0, 1e-4, 5.0, 1.0, 0.7])
+    omega = np.array([0.2, -1.5, 0.01, 3.0, -1.0, 2.0])
+    V = np.array([1.0, 0.5, 1e-2, 1e-6, 1e-3, 1e-6])
+    m = LinkModel(name).channel().moments(y, omega.reshape(-1, 1, 1), V)
+    for i in range(len(y)):
+        r = root(y[i])
+        log_z, g, dg = _two_point_reference(y[i], omega[i], V[i], r, slope(r))
+        assert np.isclose(m.log_z[i], log_z, rtol=1e-12, atol=1e-12), i
+        assert np.isclose(m.g_out[i, 0, 0], g, rtol=1e-10, atol=1e-10 / V[i]), i
+        assert np.isclose(m.dg_out[i, 0, 0], dg, rtol=1e-10, atol=1e-10 / V[i] ** 2), i
+
+
+def test_closed_channel_rejects_outputs_outside_the_range():
+    with pytest.raises(ValueError, match=r"y must be > 0 .*sample 1"):
+        LinkModel("test_phase_retrieval").channel().moments([1.0, -0.5], [[[0.0]], [[0.0]]], 0.5)
+    with pytest.raises(ValueError, match=r"y must be ±1 .*sample 0"):
+        LinkModel("test_sign").channel().moments([0.5], [[[0.0]]], 0.5)
