@@ -81,6 +81,60 @@ def cmd_kernels(a) -> dict:
     return {"kernels": rows}
 
 
+def _alphas(text: str) -> np.ndarray:
+    """"a:b:n" (n values from a to b) or a comma-separated list."""
+    try:
+        if ":" in text:
+            lo, hi, n = text.split(":")
+            return np.linspace(float(lo), float(hi), int(n))
+        return np.array([float(v) for v in text.split(",")])
+    except ValueError:
+        raise ValueError(f"--alphas must be 'start:stop:count' or a comma-separated list, got {text!r}") from None
+
+
+def cmd_se(a) -> dict:
+    """State evolution over a grid of α (spec §5): overlaps per layer, errors, free entropy."""
+    from .state_evolution import learning_curve
+    model = _model(a)
+    channel = {"threads": a.threads} | ({"nodes": a.nodes} if a.nodes else {})
+    start = time.perf_counter()
+    curve = learning_curve(model, _alphas(a.alphas), start=a.start, samples=a.samples, seed=a.seed,
+                           noise=a.noise, side_info=a.side_info, tol=a.tol, max_iter=a.max_iter,
+                           damping=a.damping, channel=channel, progress=not a.quiet)
+    seconds = time.perf_counter() - start
+    rows = [_se_row(r) for r in curve]
+    result = {"model": repr(model), "noise": a.noise, "samples": a.samples, "seed": a.seed,
+              "seconds": seconds, "points": [r.to_dict() for r in curve]}
+    _write_csv(a.csv, rows)
+    if a.plot:
+        from .figures import plot_learning_curve
+        plot_learning_curve(curve, a.plot, title=repr(model))
+    if not a.json:
+        print(result["model"] + (f", noise Δ = {a.noise}" if a.noise else ""))
+        print(_table(rows))
+        print(f"{len(curve)} values of α in {seconds:.1f} s; table written to {a.csv}"
+              + (f", figure to {a.plot}" if a.plot else ""))
+    return result
+
+
+def _se_row(r) -> dict:
+    row = {"alpha": r.alpha}
+    row |= {f"q_{i + 1}": float(v) for i, v in enumerate(np.diag(r.q))}
+    row |= {"prediction_error": r.prediction_error, "plugin_error": r.plugin_error,
+            "free_entropy": r.free_entropy, "q_stderr": float(r.q_stderr.max()),
+            "iterations": r.iterations, "converged": r.converged, "start": r.start,
+            "gap": r.alternative is not None}
+    return row
+
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    import csv
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def cmd_regenerate(a) -> int:
     from codegen.cli import main as regenerate
     return regenerate(a.rest)
@@ -97,7 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     kern = sub.add_parser("kernels", help="list the pre-generated compiled kernels")
     kern.set_defaults(func=cmd_kernels)
-    for p in (demo, kern):
+    se = sub.add_parser("se", help="state evolution: learning curves over a grid of α")
+    _model_args(se)
+    se.add_argument("--noise", type=float, default=None, help="output noise Δ > 0 (default: noiseless)")
+    se.add_argument("--alphas", default="0.05:2:40", help="'start:stop:count' or a list (default 0.05:2:40)")
+    se.add_argument("--samples", type=int, default=4096, help="draws of (ξ, ζ) per iteration (default 4096)")
+    se.add_argument("--seed", type=int, default=0)
+    se.add_argument("--start", default="uninformed", help="uninformed | informed | both (default uninformed)")
+    se.add_argument("--side-info", type=float, default=0.0, help="side information λ ≥ 0 (default 0)")
+    se.add_argument("--tol", type=float, default=1e-4, help="distance to the fixed point (default 1e-4)")
+    se.add_argument("--max-iter", type=int, default=200)
+    se.add_argument("--damping", type=float, default=0.0)
+    se.add_argument("--nodes", type=int, default=None, help="channel quadrature nodes per dimension")
+    se.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
+    se.add_argument("--csv", default="se.csv", help="where to write the table (default se.csv)")
+    se.add_argument("--plot", default=None, metavar="FILE", help="draw overlaps and errors against α to FILE")
+    se.add_argument("--quiet", action="store_true", help="no progress bar")
+    se.set_defaults(func=cmd_se)
+    for p in (demo, kern, se):
         p.add_argument("--json", action="store_true", help="print the result as JSON")
     regen = sub.add_parser("regenerate-kernels", help="rewrite generated/ from derive/ (see --help)",
                            add_help=False)

@@ -1,0 +1,335 @@
+"""State evolution, free entropy and Bayes-optimal errors (spec §5).
+
+For a model y = g(Z) (+ Gaussian noise Δ), Gaussian prior and side information λ ≥ 0:
+
+    q̂ᵗ   = α E_{ξ,ζ} [ Σ_t g_out(y; ω, V)[:, t] g_out(y; ω, V)[:, t]ᵀ ],
+           ω = (qᵗ)^{1/2} ξ,  V = I − qᵗ,  Z = ω + (I − qᵗ)^{1/2} ζ,  y ~ P(·|Z)
+    qᵗ⁺¹ = (1 − d) (q̂ᵗ + λI)(I + q̂ᵗ + λI)⁻¹ + d qᵗ                  (damping d)
+
+The expectation is an average over ``samples`` draws of (ξ, ζ, noise), split into
+``BLOCKS`` independent blocks (Monte Carlo with a seeded generator, or independently scrambled
+Sobol points); the standard error of every reported average is the spread of its block means
+over √BLOCKS.  The same draws are used at every iteration (common random numbers), so the
+iteration is a deterministic map; it stops when the distance to its fixed point, estimated from
+two successive steps as |Δq| / (1 − ρ) (ρ the ratio of the steps), is below ``tol``.
+
+Free entropy at (q, q̂):
+
+    f = −½ Tr(q q̂) + ½ [Tr(q̂ + λI) − log det(I + q̂ + λI)] + α E_{ξ,ζ} log Z_out(y; ω, V)
+
+(α E_ξ ∫dy Z_out log Z_out written as an average over y drawn from the model).  Dropped
+constants, equal at every fixed point of one model: for the reparametrised attention route,
+E_y log|∂u_L/∂y| (the channel's ``log_z`` omits the y-only Jacobian of u_L ↦ y), and for
+noiseless links the (infinite) entropy of the output's point mass.  Compare f between fixed
+points of the same model, α and sample set only.  A noiseless closed-form channel keeps the
+y-only term −log|g'(r(y))| in log Z_out: its mean does not depend on q, but it is heavy-tailed
+(log|z| near z = 0), so f is noisier there than for noisy or reparametrised channels.
+
+Errors at a fixed point: per-index MSE 1 − q_aa; Bayes-optimal prediction error
+E ‖y − E[y | ω, V]‖²_F = E_ω tr Cov_{Z~N(ω,V)} g(Z) + Δ·size(y) (the inner covariance from
+``INNER`` Monte Carlo draws per sample, unbiased); plug-in error E ‖g(Z) − g(ω)‖²_F.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy.stats import norm, qmc
+
+from . import validate
+
+BLOCKS = 8                    # independent blocks of draws: standard errors from their spread
+INNER = 8                     # draws of Z ~ N(ω, V) per sample for the Bayes prediction error
+UNINFORMED = 1e-3             # q at the uninformed start (λ → 0⁺: q = 0 is a fixed point)
+INFORMED = 1 - 1e-3           # q at the informed start
+V_MIN = 1e-6                  # q is kept in [0, (1 − V_MIN) I]: V ≥ V_MIN I
+DISTINCT = 1e-2               # two fixed points differ when some |Δq| exceeds this
+STARTS = ("uninformed", "informed", "both")
+SAMPLERS = ("sobol", "mc")
+
+
+@dataclass
+class SEResult:
+    """A fixed point of state evolution at one α (arrays R×R unless noted)."""
+    alpha: float
+    q: np.ndarray
+    q_hat: np.ndarray
+    mse: np.ndarray                     # (R,) 1 − q_aa: per layer for r = 1 attention
+    prediction_error: float             # Bayes-optimal, E‖y − E[y|ω,V]‖²_F
+    plugin_error: float                 # E‖g(Z) − g(ω)‖²_F
+    free_entropy: float
+    trajectory: np.ndarray              # (iterations + 1, R, R): q at every step
+    stderr: np.ndarray                  # standard error of q̂
+    q_stderr: np.ndarray                # … propagated to the fixed point q (see _iterate)
+    free_entropy_stderr: float
+    prediction_error_stderr: float
+    plugin_error_stderr: float
+    iterations: int
+    converged: bool
+    start: str                          # the start it was reached from
+    alternative: "SEResult | None" = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: arrays as nested lists, the alternative fixed point nested."""
+        out = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self).items()
+               if k != "alternative"}
+        out["alternative"] = None if self.alternative is None else self.alternative.to_dict()
+        return out
+
+
+class _Draws:
+    """The fixed standard-normal draws of one state evolution: ξ, ζ (n, R, T), the output
+    noise η (n, size(y)), in BLOCKS equal blocks."""
+
+    def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
+                 rng: np.random.Generator):
+        per = -(-samples // BLOCKS)
+        dims = 2 * R * T + (n_out if noisy else 0)
+        if sampler == "sobol":
+            per = 1 << max(int(np.ceil(np.log2(per))), 1)
+            u = np.concatenate([qmc.Sobol(dims, scramble=True, seed=rng).random(per) for _ in range(BLOCKS)])
+            x = norm.ppf(np.clip(u, 1e-300, 1 - 2 ** -53))
+        else:
+            x = rng.standard_normal((per * BLOCKS, dims))
+        n = len(x)
+        self.n, self.per = n, per
+        self.xi = x[:, :R * T].reshape(n, R, T)
+        self.zeta = x[:, R * T:2 * R * T].reshape(n, R, T)
+        self.eta = x[:, 2 * R * T:] if noisy else None
+
+    def mean(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mean over samples and its standard error from the block means."""
+        blocks = values.reshape(BLOCKS, self.per, *values.shape[1:]).mean(axis=1)
+        return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
+
+
+def _sqrtm(q: np.ndarray) -> np.ndarray:
+    w, U = np.linalg.eigh(q)
+    return (U * np.sqrt(np.clip(w, 0, None))) @ U.T
+
+
+def _project(q: np.ndarray) -> np.ndarray:
+    """Symmetrise and clip the eigenvalues into [0, 1 − V_MIN]."""
+    w, U = np.linalg.eigh(0.5 * (q + q.T))
+    return (U * np.clip(w, 0.0, 1 - V_MIN)) @ U.T
+
+
+class _Problem:
+    """Model, channel, noise, side information and draws: evaluates the SE map at q."""
+
+    def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options):
+        self.model, self.R, self.T = model, model.indices, model.tokens
+        self.noise = None if noise is None else validate.positive("noise", noise)
+        self.side_info = validate.positive("side_info", side_info, allow_zero=True)
+        if not isinstance(samples, (int, np.integer)) or samples < 2 * BLOCKS:
+            raise ValueError(f"samples must be an integer ≥ {2 * BLOCKS}, got {samples!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+        self.channel = _channel(model, self.noise, channel_options)
+        self.n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
+        self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng)
+        self.rng = rng
+
+    def outputs(self, Z: np.ndarray) -> np.ndarray:
+        """y ~ P(·|Z): g(Z), plus √Δ η with noise."""
+        y = self.model.forward(Z).reshape(len(Z), -1)
+        if self.noise is not None:
+            y = y + np.sqrt(self.noise) * self.draws.eta
+        return y.reshape(len(Z), *self.model.output_shape)
+
+    def fields(self, q: np.ndarray):
+        """ω = q^{1/2} ξ, V = I − q, Z = ω + V^{1/2} ζ (column-wise)."""
+        V = np.eye(self.R) - q
+        omega = np.einsum("ab,nbt->nat", _sqrtm(q), self.draws.xi)
+        Z = omega + np.einsum("ab,nbt->nat", _sqrtm(V), self.draws.zeta)
+        return omega, V, Z
+
+    def step(self, q: np.ndarray, alpha: float):
+        """q̂ (with its standard error) and E log Z_out (with its standard error) at q."""
+        omega, V, Z = self.fields(q)
+        m = self.channel.moments(self.outputs(Z), omega, V)
+        q_hat, q_hat_err = self.draws.mean(np.einsum("nat,nbt->nab", m.g_out, m.g_out))
+        log_z, log_z_err = self.draws.mean(m.log_z)
+        return alpha * q_hat, alpha * q_hat_err, float(log_z), float(log_z_err)
+
+    def update(self, q_hat: np.ndarray) -> np.ndarray:
+        """q = (q̂ + λI)(I + q̂ + λI)⁻¹."""
+        A = q_hat + self.side_info * np.eye(self.R)
+        return _project(A @ np.linalg.inv(np.eye(self.R) + A))
+
+    def free_entropy(self, q, q_hat, alpha, log_z) -> float:
+        A = q_hat + self.side_info * np.eye(self.R)
+        return float(-0.5 * np.trace(q @ q_hat) + 0.5 * (np.trace(A) - np.linalg.slogdet(np.eye(self.R) + A)[1])
+                     + alpha * log_z)
+
+    def errors(self, q: np.ndarray):
+        """Bayes-optimal and plug-in prediction errors at q, with standard errors."""
+        omega, V, Z = self.fields(q)
+        n = self.draws.n
+        g_omega = self.model.forward(omega).reshape(n, -1)
+        plugin = ((self.model.forward(Z).reshape(n, -1) - g_omega) ** 2).sum(axis=1)
+        inner = omega[:, None] + np.einsum("ab,nkbt->nkat", _sqrtm(V),
+                                           self.rng.standard_normal((n, INNER, self.R, self.T)))
+        g_inner = self.model.forward(inner.reshape(n * INNER, self.R, self.T)).reshape(n, INNER, -1)
+        bayes = g_inner.var(axis=1, ddof=1).sum(axis=1) + (self.noise or 0.0) * self.n_out
+        (b, b_err), (p, p_err) = self.draws.mean(bayes), self.draws.mean(plugin)
+        return float(b), float(b_err), float(p), float(p_err)
+
+
+def _channel(model, noise, options):
+    """The channel SE calls: a one-index link's closed form when SymPy has one, else the
+    model's default route (reparametrisation, or the noisy route when noise is given)."""
+    options = dict(options or {})
+    if "route" not in options and not hasattr(model, "spec"):
+        try:
+            return model.channel(route="closed", noise=noise, threads=options.get("threads"))
+        except ValueError:
+            pass
+    return model.channel(noise=noise, **options)
+
+
+def _start(start, R: int) -> tuple[np.ndarray, str]:
+    if isinstance(start, str):
+        if start == "uninformed":
+            return UNINFORMED * np.eye(R), start
+        if start == "informed":
+            return INFORMED * np.eye(R), start
+        raise ValueError(f"start must be one of {STARTS} or an (R, R) overlap matrix, got {start!r}")
+    q0 = np.asarray(start, dtype=np.float64)
+    if q0.shape != (R, R) or not np.isfinite(q0).all():
+        raise ValueError(f"start must be one of {STARTS} or a finite ({R}, {R}) matrix, got shape {q0.shape}")
+    return _project(q0), "warm"
+
+
+def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, damping: float,
+             tol: float, max_iter: int) -> SEResult:
+    q, trajectory, last = q0, [q0], np.inf
+    for it in range(1, max_iter + 1):
+        q_hat, q_hat_err, log_z, log_z_err = problem.step(q, alpha)
+        q_new = damping * q + (1 - damping) * problem.update(q_hat)
+        step = np.abs(q_new - q).max()
+        converged = _distance(step, last) < tol
+        if converged or it == max_iter:
+            break
+        q, last = q_new, step
+        trajectory.append(q)
+    bayes, bayes_err, plugin, plugin_err = problem.errors(q)
+    # δq* = (1 − d) (I + q̂)⁻¹ δq̂ (I + q̂)⁻¹ / (1 − ρ): a perturbation of the map moves its fixed
+    # point by 1/(1 − ρ) times as much (ρ the contraction of the last steps, ≤ 0.99)
+    inv = np.abs(np.linalg.inv(np.eye(problem.R) + q_hat + problem.side_info * np.eye(problem.R)))
+    rho = min(step / last, 0.99) if np.isfinite(last) and last > 0 else 0.0
+    return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
+                    plugin_error=plugin, free_entropy=problem.free_entropy(q, q_hat, alpha, log_z),
+                    trajectory=np.array(trajectory), stderr=q_hat_err,
+                    q_stderr=(1 - damping) * inv @ q_hat_err @ inv / (1 - rho),
+                    free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
+                    plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label)
+
+
+def _distance(step: float, last: float) -> float:
+    """Distance to the fixed point estimated from two successive steps: step / (1 − ρ) with
+    the contraction ρ = step / last (infinite while the iteration is not contracting, e.g. when
+    escaping slowly from q ≈ 0 just above a weak-recovery threshold)."""
+    if step == 0:
+        return 0.0
+    if last == np.inf:                  # one step: no contraction estimate yet
+        return np.inf
+    rho = step / last
+    return step / (1 - rho) if rho < 1 else np.inf
+
+
+def _best(a: SEResult, b: SEResult) -> SEResult:
+    """The fixed point of larger free entropy; the other one attached when they differ."""
+    best, other = (a, b) if a.free_entropy >= b.free_entropy else (b, a)
+    if np.abs(a.q - b.q).max() > DISTINCT:
+        best.alternative = other
+    return best
+
+
+def _check(alpha, damping, tol, max_iter):
+    alpha = validate.positive("alpha", alpha, allow_zero=True)
+    if not 0 <= damping < 1:
+        raise ValueError(f"damping must be in [0, 1), got {damping}")
+    validate.positive("tol", tol)
+    if not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
+        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    return alpha
+
+
+def state_evolution(model, alpha: float, *, side_info: float = 0.0, start="uninformed",
+                    damping: float = 0.0, samples: int = 4096, seed=0, tol: float = 1e-4,
+                    max_iter: int = 200, noise: float | None = None, sampler: str = "sobol",
+                    channel: dict | None = None) -> SEResult:
+    """Iterate state evolution at sample ratio ``alpha`` from ``start`` until the estimated
+    distance to the fixed point is below ``tol``.  ``start``: "uninformed" (q = 1e-3·I),
+    "informed" (q = (1 − 1e-3)·I), "both" (both; the larger free
+    entropy wins and the other is ``result.alternative`` when they differ), or an R×R matrix.
+    ``samples`` draws of (ξ, ζ, noise) by ``sampler`` ("sobol": scrambled Sobol, "mc"),
+    ``seed`` an int or numpy Generator; ``noise`` = Δ for P(y|Z) = N(y; g(Z), Δ);
+    ``channel``: options for ``model.channel`` (e.g. ``{"nodes": 10, "threads": 2}``)."""
+    alpha = _check(alpha, damping, tol, max_iter)
+    problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel)
+    if isinstance(start, str) and start == "both":
+        runs = [_iterate(problem, alpha, *_start(s, problem.R), damping, tol, max_iter)
+                for s in ("uninformed", "informed")]
+        return _best(*runs)
+    return _iterate(problem, alpha, *_start(start, problem.R), damping, tol, max_iter)
+
+
+def free_entropy(model, alpha: float, q, q_hat, *, side_info: float = 0.0, samples: int = 4096,
+                 seed=0, noise: float | None = None, sampler: str = "sobol",
+                 channel: dict | None = None) -> tuple[float, float]:
+    """f(q, q̂) of the module docstring at any (q, q̂), and its standard error; the draws are
+    those state_evolution uses with the same ``samples``, ``seed`` and ``sampler``."""
+    alpha = validate.positive("alpha", alpha, allow_zero=True)
+    problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel)
+    q, q_hat = (np.asarray(a, dtype=np.float64) for a in (q, q_hat))
+    for name, a in (("q", q), ("q_hat", q_hat)):
+        if a.shape != (problem.R, problem.R) or not np.isfinite(a).all():
+            raise ValueError(f"{name} must be a finite ({problem.R}, {problem.R}) matrix, got shape {a.shape}")
+    if np.abs(_project(q) - q).max() > 1e-12:
+        raise ValueError(f"q must be symmetric with eigenvalues in [0, 1 − {V_MIN:g}]")
+    _, _, log_z, log_z_err = problem.step(q, alpha)
+    return problem.free_entropy(q, q_hat, alpha, log_z), alpha * log_z_err
+
+
+def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool = True,
+                   side_info: float = 0.0, samples: int = 4096, seed=0, noise: float | None = None,
+                   sampler: str = "sobol", channel: dict | None = None, damping: float = 0.0,
+                   tol: float = 1e-4, max_iter: int = 200) -> list[SEResult]:
+    """State evolution over a grid of α with continuation: the uninformed branch is swept up in
+    α, each point started from the previous fixed point (its eigenvalues floored at the
+    uninformed start); the informed branch is swept down.  Options as for state_evolution.  ``start="both"`` sweeps both and keeps,
+    per α, the fixed point of larger free entropy (the other in ``.alternative``).  The same
+    draws serve every α.  Returns one SEResult per α, in the order given."""
+    alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
+    if alphas.size == 0 or not np.isfinite(alphas).all() or (alphas < 0).any():
+        raise ValueError("alphas must be a non-empty list of finite values ≥ 0")
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+    for a in alphas:
+        _check(a, damping, tol, max_iter)
+    problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel)
+    branches = {}
+    bar = _progress(progress, len(alphas) * (2 if start == "both" else 1))
+    for branch in (("uninformed", "informed") if start == "both" else (start,)):
+        order = np.argsort(alphas) if branch == "uninformed" else np.argsort(-alphas)
+        q0, results = _start(branch, problem.R)[0], {}
+        for i in order:
+            results[i] = res = _iterate(problem, float(alphas[i]), q0, branch, damping, tol, max_iter)
+            q0 = res.q
+            if branch == "uninformed":      # off the q = 0 fixed point again
+                w, U = np.linalg.eigh(res.q)
+                q0 = (U * np.maximum(w, UNINFORMED)) @ U.T
+            bar.set_postfix(alpha=f"{alphas[i]:.3g}", q=np.round(np.diag(res.q), 3).tolist())
+            bar.update(1)
+        branches[branch] = results
+    bar.close()
+    if start == "both":
+        return [_best(branches["uninformed"][i], branches["informed"][i]) for i in range(len(alphas))]
+    return [branches[start][i] for i in range(len(alphas))]
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, disable=not enabled, unit="α", leave=False)

@@ -1,0 +1,214 @@
+"""State evolution (spec §5) against closed forms, an independent quadrature of phase retrieval,
+the free entropy's stationarity, the layer-wise learning of deep attention, and α = 0 limits."""
+import json
+
+import numpy as np
+import pytest
+from scipy.special import roots_hermitenorm
+
+from smi_core import DeepAttention, LinkModel, index_symbols, register_link
+from smi_core.state_evolution import free_entropy, learning_curve, state_evolution
+
+H = index_symbols(1, 1)
+register_link("test_phase_retrieval", H[0, 0] ** 2)
+register_link("se_linear", H[0, 0])
+register_link("se_quadratic", H[0, 0] ** 2 / 2 + H[0, 0])
+PR = LinkModel("test_phase_retrieval")
+
+
+# -- phase retrieval: the weak-recovery threshold α_c = 1/2 and the curve -------------------------
+
+@pytest.mark.parametrize("alpha", [0.4, 0.45, 0.55, 0.6])
+def test_phase_retrieval_q0_stable_below_one_half(alpha):
+    """Noiseless phase retrieval: near q = 0 one SE step multiplies q by 2α (linear stability),
+    so q = 0 is stable for α < 1/2 and unstable for α > 1/2."""
+    q0 = 1e-5
+    r = state_evolution(PR, alpha, start=[[q0]], max_iter=1, samples=2 ** 14)
+    growth = r.q_hat[0, 0] / q0
+    assert abs(growth - 2 * alpha) <= 0.02 + 4 * r.stderr[0, 0] / q0, (growth, r.stderr)
+    assert (growth < 1) == (alpha < 0.5)
+
+
+def test_phase_retrieval_uninformed_fixed_points_around_threshold():
+    below = state_evolution(PR, 0.4, samples=2 ** 12)
+    above = state_evolution(PR, 0.6, samples=2 ** 12, max_iter=500)
+    assert below.converged and above.converged
+    assert below.q[0, 0] < 1e-4 < 0.02 < above.q[0, 0], (below.q, above.q)
+
+
+def _pr_fixed_point(alpha, q=0.3, nodes=120):
+    """Independent computation: the scalar SE of noiseless phase retrieval by a 2-D
+    Gauss–Hermite rule over (ξ, ζ), with g_out = (|Z| tanh(|Z| ω/V) − ω)/V written out here."""
+    x, w = roots_hermitenorm(nodes)
+    xi, zeta = np.meshgrid(x, x, indexing="ij")
+    W = np.outer(w, w) / w.sum() ** 2
+    for _ in range(10_000):
+        V, om = 1 - q, np.sqrt(q) * xi
+        r = np.abs(om + np.sqrt(V) * zeta)
+        g = (r * np.tanh(r * om / V) - om) / V
+        q_hat = alpha * (W * g * g).sum()
+        q, old = q_hat / (1 + q_hat), q
+        if abs(q - old) < 1e-13:
+            return q
+    raise AssertionError("reference SE did not converge")
+
+
+def test_phase_retrieval_curve_matches_independent_quadrature():
+    alphas = [0.7, 0.8, 1.0]
+    curve = learning_curve(PR, alphas, samples=2 ** 16, tol=1e-6, max_iter=1000, progress=False)
+    for r in curve:
+        expected = _pr_fixed_point(r.alpha)
+        assert r.converged
+        assert abs(r.q[0, 0] - expected) <= 4 * r.q_stderr[0, 0] + 1e-4, (r.alpha, r.q, expected, r.q_stderr)
+
+
+# -- linear channel with noise: closed form ---------------------------------------------------------
+
+@pytest.mark.parametrize("noise, alpha, side_info", [(0.5, 1.0, 0.0), (0.1, 2.5, 0.0), (0.3, 0.7, 0.2)])
+def test_linear_noisy_channel_closed_form(noise, alpha, side_info):
+    """y = z + √Δ η: g_out = (y − ω)/(V + Δ), so q̂ = α/(1 − q + Δ) and
+    q = (q̂ + λ)/(1 + q̂ + λ); prediction errors 1 − q + Δ (Bayes) and 1 − q (plug-in)."""
+    q = 0.5
+    for _ in range(10_000):
+        q_hat = alpha / (1 - q + noise)
+        q = (q_hat + side_info) / (1 + q_hat + side_info)
+    r = state_evolution(LinkModel("se_linear"), alpha, noise=noise, side_info=side_info,
+                        samples=2 ** 15, tol=1e-9, max_iter=1000)
+    assert abs(r.q[0, 0] - q) <= 1e-4, (r.q, q)
+    assert abs(r.q_hat[0, 0] - q_hat) <= 4 * r.stderr[0, 0], (r.q_hat, q_hat, r.stderr)
+    assert abs(r.prediction_error - (1 - q + noise)) <= 1e-3 + 4 * r.prediction_error_stderr
+    assert abs(r.plugin_error - (1 - q)) <= 1e-3 + 4 * r.plugin_error_stderr
+    # f = −½ q q̂ + ½ [q̂ + λ − log(1 + q̂ + λ)] + α E log N(y; ω, V + Δ)
+    f = (-0.5 * q * q_hat + 0.5 * (q_hat + side_info - np.log(1 + q_hat + side_info))
+         - 0.5 * alpha * (np.log(2 * np.pi * (1 - q + noise)) + 1))
+    assert abs(r.free_entropy - f) <= 1e-4 + 4 * r.free_entropy_stderr, (r.free_entropy, f)
+
+
+# -- stationarity of the free entropy -----------------------------------------------------------------
+
+@pytest.mark.parametrize("model, noise, alpha", [
+    (LinkModel("se_linear"), 0.3, 1.2),
+    (PR, 0.2, 1.5),
+    (LinkModel("se_quadratic"), 0.1, 0.8),
+], ids=["noisy-linear", "noisy-phase-retrieval", "noisy-quadratic"])
+def test_fixed_point_is_stationary_point_of_free_entropy(model, noise, alpha):
+    """∂f/∂q and ∂f/∂q̂ vanish at the SE fixed point (central differences, same draws)."""
+    opts = dict(noise=noise, samples=2 ** 13, seed=3)
+    r = state_evolution(model, alpha, tol=1e-7, max_iter=2000, **opts)
+    q, q_hat, h = r.q[0, 0], r.q_hat[0, 0], 1e-4
+    f = lambda a, b: free_entropy(model, alpha, [[a]], [[b]], **opts)[0]
+    df_dq = (f(q + h, q_hat) - f(q - h, q_hat)) / (2 * h)
+    df_dqhat = (f(q, q_hat + h) - f(q, q_hat - h)) / (2 * h)
+    scale = 0.5 * q_hat      # the size of each of the two terms that cancel in ∂f/∂q
+    print(f"∂f/∂q = {df_dq:.2e}, ∂f/∂q̂ = {df_dqhat:.2e}, q̂/2 = {scale:.3f}")
+    assert abs(df_dq) <= 0.02 * scale, (df_dq, scale)
+    assert abs(df_dqhat) <= 1e-6, df_dqhat
+
+
+# -- deep attention: the staircase ----------------------------------------------------------------
+
+FAST = dict(samples=2048, channel=dict(nodes=10, error_estimate=False))
+
+
+def test_two_layer_attention_layers_learned_one_after_the_other():
+    """T = 2, r = 1, c = 1, β = 1: at α = 0.5 the last layer is learned (q_22 > 0.5) and the first
+    is not (q_11 < 0.05); at α = 1.3 both are (> 0.5)."""
+    model = DeepAttention(layers=2, tokens=2)
+    low = state_evolution(model, 0.5, **FAST)
+    high = state_evolution(model, 1.3, **FAST)
+    assert low.converged and high.converged
+    assert low.q[1, 1] > 0.5 and low.q[0, 0] < 0.05, low.q
+    assert high.q[0, 0] > 0.5 and high.q[1, 1] > 0.5, high.q
+    assert (low.mse == 1 - np.diag(low.q)).all()
+
+
+@pytest.mark.slow
+def test_three_layer_attention_last_layer_first_then_earlier_two_together():
+    model = DeepAttention(layers=3, tokens=2)
+    curve = learning_curve(model, [0.4, 1.0, 1.6, 2.2], samples=1024,
+                           channel=dict(nodes=6, error_estimate=False), progress=False)
+    q = np.array([np.diag(r.q) for r in curve])
+    print(q)
+    assert q[0, 2] > 0.5 and q[0, :2].max() < 0.05
+    risen = q[:, 0] > 0.5
+    assert risen.any() and (risen == (q[:, 1] > 0.5)).all()
+    assert np.abs(q[:, 0] - q[:, 1]).max() < 0.1
+
+
+# -- α = 0: the errors of the prior predictive --------------------------------------------------------
+
+@pytest.mark.parametrize("model, noise", [(DeepAttention(layers=2, tokens=2), None), (PR, 0.3)],
+                         ids=["attention", "noisy-phase-retrieval"])
+def test_prediction_errors_at_alpha_zero(model, noise):
+    """At α = 0 (q = 0): the Bayes-optimal error is the variance of y, the plug-in error the mean
+    squared distance of y's noiseless part to g(0), by independent Monte Carlo."""
+    r = state_evolution(model, 0.0, noise=noise, samples=2 ** 14, channel=FAST["channel"] if noise is None else None)
+    assert np.allclose(r.q, 0)
+    Z = np.random.default_rng(11).standard_normal((400_000, model.indices, model.tokens))
+    g = model.forward(Z).reshape(len(Z), -1)
+    variance = g.var(axis=0).sum() + (noise or 0.0) * g.shape[1]
+    g0 = model.forward(np.zeros((1, model.indices, model.tokens))).reshape(1, -1)
+    plugin = ((g - g0) ** 2).sum(axis=1).mean()
+    mc = lambda x: 4 * x.std() / np.sqrt(len(x))
+    assert abs(r.prediction_error - variance) <= 4 * r.prediction_error_stderr + 0.01 * variance
+    assert abs(r.plugin_error - plugin) <= 4 * r.plugin_error_stderr + mc(((g - g0) ** 2).sum(axis=1))
+
+
+# -- the curve and bad input ----------------------------------------------------------------------------
+
+def test_learning_curve_both_starts_report_a_gap():
+    """Phase retrieval just above α = 1: the informed start reaches q ≈ 1, the uninformed one
+    stays lower; both fixed points are reported."""
+    curve = learning_curve(PR, [0.3, 1.05], start="both", samples=2 ** 12, max_iter=500, progress=False)
+    assert curve[0].alternative is None
+    gap = curve[1]
+    assert gap.alternative is not None
+    qs = sorted([gap.q[0, 0], gap.alternative.q[0, 0]])
+    assert qs[0] < 0.9 < 0.999 < qs[1]
+    assert {gap.start, gap.alternative.start} == {"uninformed", "informed"}
+
+
+def test_trajectory_and_result_fields():
+    r = state_evolution(PR, 0.8, samples=2 ** 12)
+    assert r.trajectory.shape == (r.iterations, 1, 1)
+    assert r.trajectory[0, 0, 0] == pytest.approx(1e-3)
+    d = r.to_dict()
+    for key in ("q", "q_hat", "mse", "prediction_error", "plugin_error", "free_entropy",
+                "trajectory", "stderr", "iterations"):
+        assert key in d
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(alpha=-1.0), "alpha"),
+    (dict(alpha=1.0, damping=1.0), "damping"),
+    (dict(alpha=1.0, samples=3), "samples"),
+    (dict(alpha=1.0, start="warm"), "start"),
+    (dict(alpha=1.0, start=np.eye(2)), "start"),
+    (dict(alpha=1.0, sampler="grid"), "sampler"),
+    (dict(alpha=1.0, side_info=-0.1), "side_info"),
+    (dict(alpha=1.0, noise=0.0), "noise"),
+    (dict(alpha=1.0, tol=0.0), "tol"),
+])
+def test_bad_input_is_a_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        state_evolution(PR, **kwargs)
+
+
+def test_cli_se_json_csv_and_figure(tmp_path, capsys):
+    from smi_core.cli import main
+    csv, png = tmp_path / "se.csv", tmp_path / "se.png"
+    code = main(["se", "--alphas", "0.3,0.6", "--samples", "256", "--nodes", "6", "--quiet",
+                 "--csv", str(csv), "--plot", str(png), "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["alpha"] for p in out["points"]] == [0.3, 0.6]
+    for key in ("q", "q_hat", "mse", "prediction_error", "plugin_error", "free_entropy", "stderr"):
+        assert key in out["points"][0]
+    assert csv.read_text().splitlines()[0].startswith("alpha,q_1,q_2,")
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_se_bad_alphas_is_a_clear_error(capsys):
+    from smi_core.cli import main
+    assert main(["se", "--alphas", "0:1", "--quiet"]) == 2
+    assert "--alphas" in capsys.readouterr().err
