@@ -14,10 +14,16 @@ maximum of the log weights so nothing overflows.  The integrand comes from a gen
 - route 0 (reparametrised deep attention): x = h_{<L}; kernel (u_L, x) → [h_L; log|det Φ|];
   f(x) = Σ_± N([x; ±h_L]; ω, V) / |det Φ|.
 - route 1 (Gaussian output noise Δ): x = Z; kernel x → g(x); f(x) = N(x; ω, V) N(y; g(x), Δ I).
+
+Every driver evaluates the integrand through the same two functions: ``_place`` (the node
+x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → the terms of f at x,
+with their index matrices Z).  Drivers: ``integrate`` (a fixed rule on every partition piece),
+``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance) and ``integrate_polar``
+(route 0 with x = h_1 ∈ R²: polar coordinates about the meeting point of the softmax cliffs).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport exp, fabs, log, sqrt, INFINITY, M_PI, isfinite
+from libc.math cimport ceil, cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, isfinite
 from libc.stdlib cimport malloc, free
 from openmp cimport omp_get_max_threads
 
@@ -73,89 +79,163 @@ cdef inline void _add(Acc* acc, double lw, const double* Z, const double* ref) n
             acc.s2[i * n + j] += w * (Z[i] - ref[i]) * (Z[j] - ref[j])
 
 
+cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
+    int route, R, T, d, M, n_data, n_node, active
+    kernel_t f
+    const double* par
+    const double* data
+    const double* omega
+    const double* Vinv
+    double const0, delta, shift
+    const double* centers
+    const double* A
+    const double* H
+    const double* logh
+    const double* ref
+    double* node_in
+    double* node_out
+    double* x
+    double* Z          # up to 4 terms × RT
+    double* lf         # up to 4 terms
+    double* lq
+
+
+cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const double* data,
+                        int n_data, const double* omega, const double* Vinv, double const0,
+                        const double* centers, const double* A, const double* H,
+                        const double* logh, int M, int d, const double* ref, int R, int T,
+                        int n_node, double delta) noexcept nogil:
+    """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
+    cdef int i, RT = R * T
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1) * sizeof(double))
+    s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
+    s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
+    s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
+    s.shift = -INFINITY
+    s.active = 0
+    for i in range(M):
+        if logh[i] > -INFINITY:
+            s.active += 1
+        if logh[i] > s.shift:
+            s.shift = logh[i]
+    s.node_in = work
+    s.node_out = work + n_data + d
+    s.x = s.node_out + n_node * (1 + d)
+    s.Z = s.x + d
+    s.lf = s.Z + 4 * RT
+    s.lq = s.lf + 4
+    if route == 0:
+        for i in range(n_data):
+            s.node_in[i] = data[i]
+    return work
+
+
+cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
+    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight)."""
+    cdef int d = s.d, i, l, j
+    cdef double base = 0.0, lmax, lse
+    for i in range(d):
+        base += log(s.A[(m * d + i) * d + i])
+        s.x[i] = s.centers[m * d + i]
+        for l in range(i + 1):
+            s.x[i] += s.A[(m * d + i) * d + l] * xi[l]
+    if s.active > 1:
+        lmax = -INFINITY
+        for j in range(s.M):
+            s.lq[j] = s.logh[j] - 0.5 * _quad_h(s.x, s.centers + j * d, s.H + j * d * d, d) if s.logh[j] > -INFINITY else -INFINITY
+            if s.lq[j] > lmax:
+                lmax = s.lq[j]
+        lse = 0.0
+        for j in range(s.M):
+            lse += exp(s.lq[j] - lmax)
+        base += s.lq[m] - lmax - log(lse)
+    return base
+
+
+cdef int _terms(Site* s, const double* x, int fold) noexcept nogil:
+    """The integrand at x, as a sum of terms exp(s.lf[k]) at index matrices s.Z[k·RT:]; returns
+    their number.  Route 0: the two signs of h_L (and, with ``fold``, also the reflection of
+    the first layer's row, -h_1, which leaves Φ and so the kernel unchanged: 4 terms from one
+    kernel call).  Route 1: one term.  Non-finite terms get lf = -inf."""
+    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k, nt, sg, fl
+    cdef double* Z
+    cdef double sq, r
+    if s.route == 0:
+        for i in range(d):
+            s.node_in[s.n_data + i] = x[i]
+        s.f(s.node_in, s.par, s.node_out)
+        nt = 4 if fold else 2
+        for k in range(nt):
+            Z = s.Z + k * RT
+            sg, fl = k & 1, k >> 1
+            for i in range(d):
+                Z[i] = -x[i] if (fl and i < T) else x[i]
+            for i in range(T):
+                Z[d + i] = -s.node_out[i] if sg else s.node_out[i]
+            s.lf[k] = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, T) - s.node_out[T]
+            if not isfinite(s.lf[k]):          # det Φ = 0: the Gaussian factor vanishes there
+                s.lf[k] = -INFINITY
+        return nt
+    s.f(x, s.par, s.node_out)
+    sq = 0.0
+    for i in range(s.n_node):
+        r = s.data[i] - s.node_out[i]
+        sq += r * r
+    for i in range(RT):
+        s.Z[i] = x[i]
+    s.lf[0] = s.const0 - 0.5 * _quad_v(x, s.omega, s.Vinv, s.R, T) - 0.5 * sq / s.delta
+    if not isfinite(s.lf[0]):
+        s.lf[0] = -INFINITY
+    return 1
+
+
+cdef void _acc_init(Acc* acc, int RT) noexcept nogil:
+    cdef int i
+    acc.mx, acc.s0, acc.n = -INFINITY, 0.0, RT
+    acc.s1 = <double*> malloc((RT + RT * RT) * sizeof(double))
+    acc.s2 = acc.s1 + RT
+    for i in range(RT + RT * RT):
+        acc.s1[i] = 0.0
+
+
+cdef void _acc_finish(Acc* acc, double* log_z, double* mean, double* second) noexcept nogil:
+    """Write log mass, mean and (symmetrised) second moment; frees the sums."""
+    cdef int i, j, RT = acc.n
+    log_z[0] = acc.mx + log(acc.s0)
+    for i in range(RT):
+        mean[i] = acc.s1[i] / acc.s0
+        for j in range(i, RT):
+            second[i * RT + j] = acc.s2[i * RT + j] / acc.s0
+            second[j * RT + i] = second[i * RT + j]
+    free(acc.s1)
+
+
 cdef void _sample(int route, kernel_t f, const double* par, const double* data, int n_data,
                   const double* omega, const double* Vinv, double logdetV,
                   const double* centers, const double* A, const double* H, const double* logh, int M,
                   const double* xi, const double* lw, int G, int d,
                   const double* ref, int R, int T, int n_node, double delta,
                   double* log_z, double* mean, double* second) noexcept nogil:
-    cdef int RT = R * T, m, j, k, i, l, s
-    cdef double* work = <double*> malloc((2 * d + n_data + n_node + 2 * RT + M) * sizeof(double))
-    cdef double* x = work
-    cdef double* node_in = work + d
-    cdef double* node_out = node_in + n_data + d
-    cdef double* Z = node_out + n_node
-    cdef double* s1 = Z + RT
-    cdef double* lq = s1 + RT
-    cdef double* s2 = <double*> malloc(RT * RT * sizeof(double))
+    cdef int RT = R * T, m, k, t, nt
+    cdef Site s
     cdef Acc acc
-    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV)
-    cdef double logdetA, lmax, lse, base, lf, sq, r
-    acc.mx, acc.s0, acc.s1, acc.s2, acc.n = -INFINITY, 0.0, s1, s2, RT
-    for i in range(RT):
-        s1[i] = 0.0
-    for i in range(RT * RT):
-        s2[i] = 0.0
-    if route == 0:
-        for i in range(n_data):
-            node_in[i] = data[i]
-    cdef int active = 0
-    for m in range(M):
-        if logh[m] > -INFINITY:
-            active += 1
+    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), base
+    if route == 1:
+        const0 -= 0.5 * n_node * log(2 * M_PI * delta)
+    cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
+                                   A, H, logh, M, d, ref, R, T, n_node, delta)
+    _acc_init(&acc, RT)
     for m in range(M):
         if not logh[m] > -INFINITY:
             continue
-        logdetA = 0.0
-        for i in range(d):
-            logdetA += log(A[(m * d + i) * d + i])
         for k in range(G):
-            for i in range(d):
-                x[i] = centers[m * d + i]
-                for l in range(i + 1):
-                    x[i] += A[(m * d + i) * d + l] * xi[k * d + l]
-            base = logdetA + lw[k]
-            if active > 1:
-                lmax = -INFINITY
-                for j in range(M):
-                    lq[j] = logh[j] - 0.5 * _quad_h(x, centers + j * d, H + j * d * d, d) if logh[j] > -INFINITY else -INFINITY
-                    if lq[j] > lmax:
-                        lmax = lq[j]
-                lse = 0.0
-                for j in range(M):
-                    lse += exp(lq[j] - lmax)
-                base += lq[m] - lmax - log(lse)
-            if route == 0:
-                for i in range(d):
-                    node_in[n_data + i] = x[i]
-                f(node_in, par, node_out)
-                if not isfinite(node_out[T]):          # det Φ = 0: the Gaussian factor vanishes there
-                    continue
-                for s in range(2):
-                    for i in range(d):
-                        Z[i] = x[i]
-                    for i in range(T):
-                        Z[d + i] = node_out[i] if s == 0 else -node_out[i]
-                    lf = const0 - 0.5 * _quad_v(Z, omega, Vinv, R, T) - node_out[T]
-                    if isfinite(lf):
-                        _add(&acc, base + lf, Z, ref)
-            else:
-                f(x, par, node_out)
-                sq = 0.0
-                for i in range(n_node):
-                    r = data[i] - node_out[i]
-                    sq += r * r
-                lf = (const0 - 0.5 * _quad_v(x, omega, Vinv, R, T) - 0.5 * sq / delta
-                      - 0.5 * n_node * log(2 * M_PI * delta))
-                _add(&acc, base + lf, x, ref)
-    log_z[0] = acc.mx + log(acc.s0)
-    for i in range(RT):
-        mean[i] = s1[i] / acc.s0
-        for j in range(i, RT):
-            second[i * RT + j] = s2[i * RT + j] / acc.s0
-            second[j * RT + i] = second[i * RT + j]
+            base = _place(&s, m, xi + k * d) + lw[k]
+            nt = _terms(&s, s.x, 0)
+            for t in range(nt):
+                if s.lf[t] > -INFINITY:
+                    _add(&acc, base + s.lf[t], s.Z + t * RT, ref)
+    _acc_finish(&acc, log_z, mean, second)
     free(work)
-    free(s2)
 
 
 def integrate(int route, capsule, const double[::1] params, const double[:, ::1] data,
@@ -177,6 +257,75 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
                     logdetV[i], &centers[i, 0, 0], &A[i, 0, 0, 0], &H[i, 0, 0, 0], &logh[i, 0], M,
                     &xi[0, 0], &lw[0], G, d, &ref[i, 0], R, T, n_node, delta,
                     &log_z[i], &mean[i, 0], &second[i, 0, 0])
+
+
+def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data,
+                    const double[:, ::1] omega, const double[:, :, ::1] Vinv,
+                    const double[::1] logdetV, const double[:, ::1] ref,
+                    const double[::1] r_lo, const double[::1] r_hi, const double[::1] kappa,
+                    const double[::1] center, const double[::1] fade,
+                    const double[::1] t, const double[::1] wt, double c0, double c1, double c2,
+                    int cap, int R, int T, double[::1] log_z, double[:, ::1] mean,
+                    double[:, :, ::1] second, int threads=0):
+    """Route 0 with x = h_1 ∈ R² (L = 2, T = 2): the integral in polar coordinates x = r e_θ
+    about the origin, where all the softmax cliffs of layer 1 meet (a = 0, b = 0, a = b for
+    h_1 = (a, b)), so they only make the θ-integrand vary fast, on a scale ≈ 1/(β r²).
+    Folded over the reflection h_1 → -h_1 (Φ is even, one kernel call serves x and -x):
+    θ ∈ [0, π) by the midpoint (periodic trapezoid) rule with N(r) = min(cap, ⌈c0 + (c1 r² +
+    c2 κ r) · max(0.1, 1 - fade (r - center)²)⌉) points: c1 carries β, κ = |ω_1|/V_11 is the
+    angular concentration of the prior; ``fade`` lowers the count on rings where the prior of h_1
+    is small (the trapezoid error is relative to the ring's mass).  r ∈ [r_lo, r_hi] by
+    Gauss–Legendre (nodes t, weights wt on [-1, 1]).  Terms below e^-45 of the running maximum
+    are skipped."""
+    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef Py_ssize_t n = omega.shape[0], i
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _polar_sample(f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0], &Vinv[i, 0, 0],
+                          logdetV[i], &ref[i, 0], r_lo[i], r_hi[i], kappa[i], center[i], fade[i],
+                          &t[0], &wt[0],
+                          t.shape[0], c0, c1, c2, cap, R, T, &log_z[i], &mean[i, 0],
+                          &second[i, 0, 0])
+
+
+cdef void _polar_sample(kernel_t f, const double* par, const double* data, int n_data,
+                        const double* omega, const double* Vinv, double logdetV, const double* ref,
+                        double r_lo, double r_hi, double kappa, double center, double fade,
+                        const double* t, const double* wt,
+                        int nr, double c0, double c1, double c2, int cap, int R, int T,
+                        double* log_z, double* mean, double* second) noexcept nogil:
+    cdef Site s
+    cdef Acc acc
+    cdef int RT = R * T, j, k, nt, q, N
+    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), r, w, base, x[2]
+    cdef double cs, sn, c1s, s1s, tmp, lw
+    cdef double* work = _site_init(&s, 0, f, par, data, n_data, omega, Vinv, const0, NULL, NULL,
+                                   NULL, NULL, 0, 2, ref, R, T, T + 1, 0.0)
+    _acc_init(&acc, RT)
+    for j in range(nr):
+        r = r_lo + 0.5 * (r_hi - r_lo) * (t[j] + 1.0)
+        if not r > 0:
+            continue
+        w = 1.0 - fade * (r - center) * (r - center)
+        N = <int> ceil(c0 + (c1 * r * r + c2 * kappa * r) * (w if w > 0.1 else 0.1))
+        N = cap if N > cap else (2 if N < 2 else N)
+        base = log(0.5 * (r_hi - r_lo) * wt[j] * r * M_PI / N)
+        c1s, s1s = cos(M_PI / N), sin(M_PI / N)
+        cs, sn = cos(0.5 * M_PI / N), sin(0.5 * M_PI / N)
+        for k in range(N):
+            x[0], x[1] = r * cs, r * sn
+            tmp = cs * c1s - sn * s1s
+            sn = sn * c1s + cs * s1s
+            cs = tmp
+            nt = _terms(&s, x, 1)
+            for q in range(nt):
+                lw = base + s.lf[q]
+                if lw > acc.mx - 45.0:
+                    _add(&acc, lw, s.Z + q * RT, ref)
+    _acc_finish(&acc, log_z, mean, second)
+    free(work)
 
 
 cdef struct Problem:
@@ -384,77 +533,19 @@ cdef void _modes_one(int route, kernel_t f, const double* par, const double* dat
 cdef double GM_L2 = sqrt(9.0 / 70.0), GM_L3 = sqrt(9.0 / 10.0), GM_L5 = sqrt(9.0 / 19.0)
 
 
-cdef struct Sample:
-    int route, R, T, d, M, n_data, n_node, active
-    kernel_t f
-    const double* par
-    const double* data
-    const double* omega
-    const double* Vinv
-    double const0, delta, shift
-    const double* centers
-    const double* A
-    const double* H
-    const double* logh
-    const double* ref
-    double* node_in
-    double* node_out
-    double* x
-    double* Z
-    double* lq
-
-
-cdef double _point(Sample* s, int m, const double* xi, double weight, double* S0, double* S1,
+cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, double* S1,
                    double* S2, double w5, double* S0b, double* S1b, double* S2b) noexcept nogil:
     """Add weight × f(x) π_m(x) |det A_m| (both rules: weights ``weight`` and ``w5``) at
     x = c_m + A_m ξ to the moment sums; returns the mass value (for fourth differences)."""
-    cdef int d = s.d, RT = s.R * s.T, i, l, j, sg, nsg
-    cdef double* x = s.x
-    cdef double* Z = s.Z
-    cdef double base, lmax, lse, lf, v, total = 0.0, sq, r, logdetA = 0.0
-    for i in range(d):
-        logdetA += log(s.A[(m * d + i) * d + i])
-        x[i] = s.centers[m * d + i]
-        for l in range(i + 1):
-            x[i] += s.A[(m * d + i) * d + l] * xi[l]
-    base = logdetA - s.shift
-    if s.active > 1:
-        lmax = -INFINITY
-        for j in range(s.M):
-            s.lq[j] = s.logh[j] - 0.5 * _quad_h(x, s.centers + j * d, s.H + j * d * d, d) if s.logh[j] > -INFINITY else -INFINITY
-            if s.lq[j] > lmax:
-                lmax = s.lq[j]
-        lse = 0.0
-        for j in range(s.M):
-            lse += exp(s.lq[j] - lmax)
-        base += s.lq[m] - lmax - log(lse)
-    nsg = 2 if s.route == 0 else 1
-    if s.route == 0:
-        for i in range(d):
-            s.node_in[s.n_data + i] = x[i]
-        s.f(s.node_in, s.par, s.node_out)
-        if not isfinite(s.node_out[s.T]):
-            return 0.0
-    else:
-        s.f(x, s.par, s.node_out)
-    for sg in range(nsg):
-        if s.route == 0:
-            for i in range(d):
-                Z[i] = x[i]
-            for i in range(s.T):
-                Z[d + i] = s.node_out[i] if sg == 0 else -s.node_out[i]
-            lf = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, s.T) - s.node_out[s.T]
-        else:
-            for i in range(RT):
-                Z[i] = x[i]
-            sq = 0.0
-            for i in range(s.n_node):
-                r = s.data[i] - s.node_out[i]
-                sq += r * r
-            lf = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, s.T) - 0.5 * sq / s.delta
-        if not isfinite(lf):
+    cdef int RT = s.R * s.T, i, j, k, nt
+    cdef double base = _place(s, m, xi) - s.shift, v, total = 0.0
+    cdef double* Z
+    nt = _terms(s, s.x, 0)
+    for k in range(nt):
+        if not s.lf[k] > -INFINITY:
             continue
-        v = exp(base + lf)
+        Z = s.Z + k * RT
+        v = exp(base + s.lf[k])
         total += v
         S0[0] += weight * v
         S0b[0] += w5 * v
@@ -467,7 +558,7 @@ cdef double _point(Sample* s, int m, const double* xi, double weight, double* S0
     return total
 
 
-cdef double _region(Sample* s, int m, const double* c, const double* h, double* S, double* scratch,
+cdef double _region(Site* s, int m, const double* c, const double* h, double* S, double* scratch,
                     const double* scale, int* axis) noexcept nogil:
     """Genz–Malik degree-7 rule on the box c ± h (component m): moment sums into S (1 + RT + RT²),
     returns the error (|7-rule - 5-rule| in mass and scaled moments) and the axis to split."""
@@ -550,7 +641,7 @@ cdef inline int _heap_pop(int* heap, int* size, const double* key) noexcept nogi
     return top
 
 
-cdef void _adaptive_one(Sample* s, const double* scale, double bound, double tol, int max_regions,
+cdef void _adaptive_one(Site* s, const double* scale, double bound, double tol, int max_regions,
                         double* log_z, double* mean, double* second, int* used,
                         double* achieved) noexcept nogil:
     cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, m, k, i, j, count = 0, best, ax
@@ -648,25 +739,8 @@ cdef void _adaptive_sample(int route, kernel_t f, const double* par, const doubl
                            int R, int T, int n_node, double delta, double tol, int max_regions,
                            double bound, double* log_z, double* mean, double* second,
                            int* used, double* achieved) noexcept nogil:
-    cdef Sample s
-    cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + RT + M) * sizeof(double))
-    s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
-    s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
-    s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
-    s.shift = -INFINITY
-    s.active = 0
-    for i in range(M):
-        if logh[i] > -INFINITY:
-            s.active += 1
-        if logh[i] > s.shift:
-            s.shift = logh[i]
-    s.node_in = work
-    s.node_out = work + n_data + d
-    s.x = s.node_out + n_node * (1 + d)
-    s.Z = s.x + d
-    s.lq = s.Z + RT
-    for i in range(n_data):
-        s.node_in[i] = data[i]
+    cdef Site s
+    cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
+                                   A, H, logh, M, d, ref, R, T, n_node, delta)
     _adaptive_one(&s, scale, bound, tol, max_regions, log_z, mean, second, used, achieved)
     free(work)

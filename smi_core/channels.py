@@ -16,6 +16,17 @@ or per symmetry of the link) is found by Gauss–Newton, the integral is split b
 unity over the modes' Laplace Gaussians, and each piece is integrated by a Gauss–Hermite tensor
 rule centred and scaled on its mode (d ≤ 4), or by randomised QMC (d > 4).  The error estimate
 is the difference to a coarser rule; with ``tol`` the node count grows until it is met.
+
+L = 2, T = 2 (x = h_1 = (a, b) ∈ R²) with a broad posterior: the softmax of layer 1 switches
+across the lines a = 0, b = 0 and a = b, on a scale ≈ 1/(β|h_1|) — near-cliffs and plateaus on
+which Gauss–Hermite converges only algebraically.  All three lines meet at h_1 = 0, so in polar
+coordinates about the origin they only make the angular integrand vary fast, and the periodic
+trapezoid rule in θ converges geometrically whatever their width; the count per ring grows
+with β r².  One kernel call serves x and -x (Φ is even in h_1).  Samples whose posterior over
+h_1 is narrow (``ReparamChannel.POLAR_MIN_SD``) keep the Laplace rule, on which the cliffs are
+smooth.  The prior component of the partition sits e^-40 below the highest mode: its rule is
+on the prior's scale and cannot resolve a narrow posterior, and with a near-singular V the
+moments must be right to ≈ 1e-12 of the mass for dg_out = V⁻¹(Cov - V)V⁻¹ to be right to 1e-6.
 """
 from __future__ import annotations
 
@@ -88,11 +99,34 @@ class Channel:
         Vinv = np.linalg.inv(V)
         Vinv = 0.5 * (Vinv + np.swapaxes(Vinv, 1, 2))
         logdetV = np.linalg.slogdet(V)[1]
+        n, RT = len(omega), self.R * self.T
+        if self.model_is_points:
+            u = self._prepare(y, omega, V)[0]
+            log_z, mean, cov = self._points(u, omega, Vinv, logdetV)
+            return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
+        log_z, mean, cov, error = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT)), np.empty(n)
+        polar = self._polar_samples(omega, V)
+        parts = [(np.flatnonzero(~polar), self._laplace)]
+        if polar.any():
+            parts.append((np.flatnonzero(polar), self._polar))
+        for idx, method in parts:
+            if idx.size:
+                log_z[idx], mean[idx], cov[idx], error[idx] = method(
+                    y[idx], omega[idx], V[idx], Vinv[idx], logdetV[idx])
+        return self._assemble(omega, V, Vinv, log_z, mean, cov, error)
+
+    model_is_points = False
+
+    def _polar_samples(self, omega, V):
+        """Samples integrated by the polar rule (see ReparamChannel); none by default."""
+        return np.zeros(len(omega), dtype=bool)
+
+    def _laplace(self, y, omega, V, Vinv, logdetV):
+        """Laplace modes, partition of unity, Gauss–Hermite (d ≤ 4) or randomised QMC per piece;
+        with ``tol``, adaptive cubature where the estimate is above it.  Returns (log_z, E[Z],
+        Cov[Z], error)."""
         data, x0, signs = self._prepare(y, omega, V)
         n, RT = len(omega), self.R * self.T
-        if x0 is None:
-            log_z, mean, cov = self._points(data, omega, Vinv, logdetV)
-            return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
         K, d = x0.shape[1], x0.shape[2]
         centers = np.ascontiguousarray(x0, dtype=np.float64)
         logf, hess = np.empty((n, K)), np.empty((n, K, d, d))
@@ -126,9 +160,8 @@ class Channel:
                 for a, b in zip(fine, better):
                     a[redo] = b
         log_z, mean, second = fine
-        mean_abs = ref + mean
         cov = second - mean[:, :, None] * mean[:, None, :]
-        return self._assemble(omega, V, Vinv, log_z, mean_abs, cov, error)
+        return log_z, ref + mean, cov, error
 
     def _run(self, args, rule):
         """One pass of the rule (ξ, lw) over every partition piece."""
@@ -221,6 +254,69 @@ class ReparamChannel(Channel):
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
             self._n_node = model.tokens + 1
+        self.model_is_points = model.layers == 1
+
+    # -- L = 2, T = 2: the polar rule about the cliffs' meeting point ----------------------------
+    POLAR = dict(radial=24, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0)
+    POLAR_MIN_SD = 0.2
+
+    def _polar_samples(self, omega, V):
+        """L = 2, T = 2 samples whose posterior over h_1 is broad: the scale of the prior of h_1
+        conditioned on h_2 (the likelihood pins h_2 on a plateau of Φ), sd² = 1 / (1/V₁₁ +
+        (V₂₁/V₁₁)²/S), S = V₂₂ - V₂₁²/V₁₁, at least POLAR_MIN_SD.  Narrower posteriors keep the
+        Laplace-centred Gauss–Hermite rule (the softmax cliffs are then smooth on their scale)."""
+        if self.model.layers != 2 or self.T != 2:
+            return np.zeros(len(omega), dtype=bool)
+        V11, V21, V22 = V[:, 0, 0], V[:, 1, 0], V[:, 1, 1]
+        S = np.maximum(V22 - V21 ** 2 / V11, 1e-300)
+        return 1.0 / np.sqrt(1.0 / V11 + (V21 / V11) ** 2 / S) >= self.POLAR_MIN_SD
+
+    def _polar_run(self, u, omega, Vinv, logdetV, ref, geometry, scale):
+        p = self.POLAR
+        lo, hi, kappa, center, fade = geometry
+        n, RT = len(omega), self.R * self.T
+        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        _quadrature.integrate_polar(self._node_kernel.capsule(), self.model.params, u,
+                                    omega.reshape(n, RT), Vinv, logdetV, ref, lo, hi, kappa,
+                                    center, fade, t, wt,
+                                    p["c0"] * scale, p["c1"] * self.model.beta * scale,
+                                    p["c2"] * scale, int(p["cap"] * scale), self.R, self.T,
+                                    log_z, mean, second, self.threads)
+        return log_z, mean, second
+
+    def _polar(self, y, omega, V, Vinv, logdetV):
+        """h_1 in polar coordinates about the origin (``_quadrature.integrate_polar``): radial
+        range |ω_1| ± reach·√V₁₁ (the prior of h_1 below e^{-reach²/2} is left out), ``nodes``
+        scales every count (default ×1 at nodes = 14).  Error: the difference to the rule with
+        counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the coarse one) up to
+        three times while the estimate is above tol."""
+        n, RT = len(omega), self.R * self.T
+        u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
+        ref = np.ascontiguousarray(omega.reshape(n, RT))
+        mu, sd = np.linalg.norm(omega[:, 0], axis=1), np.sqrt(V[:, 0, 0])
+        reach = self.POLAR["reach"]
+        fade = 1.0 / (2 * V[:, 0, 0] * self.POLAR["fade"]) if self.POLAR["fade"] else np.zeros(n)
+        geometry = (np.maximum(0.0, mu - reach * sd), mu + reach * sd, mu / V[:, 0, 0], mu, fade)
+        scale = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
+        fine = self._polar_run(u, omega, Vinv, logdetV, ref, geometry, scale)
+        error = np.full(n, np.nan)
+        if self.error_estimate:
+            coarse = self._polar_run(u, omega, Vinv, logdetV, ref, geometry, scale / 1.5)
+            error = self._spread([fine, coarse], omega, V, Vinv, ref)
+        for _ in range(3 if self.tol is not None else 0):
+            redo = np.flatnonzero(~(error <= self.tol))
+            if not redo.size:
+                break
+            scale *= 1.5
+            sub = (u[redo], omega[redo], Vinv[redo], logdetV[redo], ref[redo])
+            finer = self._polar_run(*sub, tuple(g[redo] for g in geometry), scale)
+            error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
+                                       Vinv[redo], ref[redo])
+            for a, b in zip(fine, finer):
+                a[redo] = b
+        log_z, mean, second = fine
+        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], error
 
     def _check_y(self, y, n):
         y, _ = validate.batch("y", y, (self.T, self.T))

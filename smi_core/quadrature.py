@@ -37,13 +37,15 @@ def sobol_normal(n: int, d: int, rng: np.random.Generator) -> tuple[np.ndarray, 
 
 
 def partition(centers, hess, logf, prior=None, inflate: float = 1.0, prune: float = 40.0,
-              same: float = 0.05, floor: float = 20.0):
+              same: float = 0.05, floor: float = 40.0):
     """Components of the partition of unity.  Laplace modes (``centers`` (n, K, d), GN ``hess``,
     ``logf`` at the centre): duplicates (closer than ``same`` standard deviations to a heavier
     mode) and modes whose Laplace mass is below e^-prune of the largest are dropped (logh = -inf).
     ``prior`` = (centre (n, d), precision (n, d, d)) adds a last component shaped like the prior
     of x, e^-floor below the highest mode: it takes the tails where the likelihood saturates and
-    f decays only like the prior.  Rules are scaled by ``inflate`` × the Laplace standard
+    f decays only like the prior.  (At floor = 20 the leftover of a narrow mode in the prior
+    piece, ≈ e^-20 of the mass on a ring the prior-scaled rule does not resolve, cost 1e-4 in
+    dg_out for a near-singular V; 40 puts it below rounding.)  Rules are scaled by ``inflate`` × the Laplace standard
     deviations.  Returns (centers, precisions H, A (lower-triangular scales), logh)."""
     n, M, d = centers.shape
     cov = np.linalg.inv(hess)

@@ -41,7 +41,7 @@ RTOL = 1e-6          # L = 1, 2, noisy
 RTOL_L3 = 1e-4       # L = 3
 CHANNEL_TOL = 1e-7
 REF_TOL = 1e-8       # the reference's own error bound must be below this (L = 1, 2, noisy) …
-REF_TOL_L3 = 3e-5    # … and this for L = 3
+REF_TOL_L3 = 5e-5    # … and this for L = 3 (n = 5 rules; 1e-5 with n = 6 under --runslow)
 
 # Reference integrals are expensive: no shrinking (the first failing draw is reported as is).
 BASE = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -266,14 +266,13 @@ def check_l2(d, skip=1.0, beta=1.0):
 
 
 @pytest.mark.parametrize("correlated", [False, True], ids=["q-scalar", "q-correlated"])
-@examples(5)
+@examples(3)
 @given(data=st.data())
 def test_reparam_l2_state_evolution_draws(correlated, data):
     check_l2(data.draw(se_draws(2, correlated=correlated)))
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): on near-singular V with ω = 0 the Laplace/Genz–Malik error estimate can report 1e-7 while the error is 4e-4")
-@examples(6)
+@examples(4)
 @given(data=st.data())
 def test_reparam_l2_adversarial(data):
     check_l2(data.draw(adversarial_draws(2)))
@@ -310,8 +309,8 @@ def test_reparam_l2_skip_and_beta_many(data, skip, beta):
 
 # -- L = 3 (T = 2): 4-D integral ------------------------------------------------------------------
 
-def check_l3(d):
-    compare("L=3", channel(3), d, ref.reparam_l3(d.y, d.omega, d.V), RTOL_L3, REF_TOL_L3)
+def check_l3(d, n=5, ref_tol=REF_TOL_L3):
+    compare("L=3", channel(3), d, ref.reparam_l3(d.y, d.omega, d.V, n=n), RTOL_L3, ref_tol)
 
 
 @pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): L = 3 at q ≈ 0 reaches ≈ 1e-4 only at the max_regions bound of the adaptive cubature")
@@ -325,14 +324,15 @@ def test_reparam_l3_state_evolution_draws(data):
 @examples(10)
 @given(data=st.data())
 def test_reparam_l3_state_evolution_draws_many(data):
-    check_l3(data.draw(se_draws(3, correlated=data.draw(st.booleans()))))
+    check_l3(data.draw(se_draws(3, correlated=data.draw(st.booleans()))), n=6, ref_tol=1e-5)
 
 
 @pytest.mark.slow
 @examples(8)
 @given(data=st.data())
 def test_reparam_l3_adversarial(data):
-    check_l3(data.draw(adversarial_draws(3, kinds=("near-singular V", "large omega", "softmax edge"))))
+    check_l3(data.draw(adversarial_draws(3, kinds=("near-singular V", "large omega", "softmax edge"))),
+             n=6, ref_tol=1e-5)
 
 
 # -- noisy route: L = 1, T = 2 (2-D) ----------------------------------------------------------------
@@ -347,7 +347,7 @@ small_noises = st.floats(math.log(1e-4), 0.0).map(math.exp)
 
 
 @pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): the noisy route's tol is a moment-based criterion; on some draws the (g_out, dg_out) metric exceeds 1e-6 (measured up to 9e-6)")
-@examples(6)
+@examples(5)
 @given(data=st.data(), noise=noises)
 def test_noisy_l1_state_evolution_draws(data, noise):
     """P(y|Z) = N(y; g(Z), Δ I), Δ ∈ [1e-3, 1]: g_out, dg_out to 1e-6 and log Z_out (exact on
@@ -450,7 +450,11 @@ def test_layer_flip_symmetry(layers, noise, data):
 def test_noisy_route_approaches_reparam_route():
     """DeepAttention(2, 2): on noiseless SE outputs (q = 0.5), channel(noise=Δ) → channel() as
     Δ → 0: for Δ = 1e-2, 1e-3, 1e-4 the metric distance to the reparametrised route shrinks
-    (strictly, per sample and by at least 2× per decade in the median) and ends below 1e-2."""
+    (the medians over 12 draws strictly, and every draw from Δ = 1e-2 to 1e-4).
+
+    Only shrinking is asked: the exact noisy posterior approaches the noiseless one slowly
+    (4-D reference, draw 0: distance 0.53, 0.33, 0.19 for Δ = 1e-2, 1e-3, 1e-4; draw 1: 0.18,
+    0.08 for Δ = 1e-2, 1e-3)."""
     rng = np.random.default_rng(7)
     y, omega, V = se_batch(2, 12, 0.5 * np.eye(2), rng)
     exact = channel(2).moments(y, omega, V)
@@ -462,9 +466,53 @@ def test_noisy_route_approaches_reparam_route():
     dist = np.array(dist)
     med = np.median(dist, axis=1)
     msg = f"distance to the reparam route per Δ (rows) and sample (columns):\n{dist}\nmedians {med}"
-    assert (np.diff(dist, axis=0) < 0).all(), msg
-    assert med[1] <= med[0] / 2 and med[2] <= med[1] / 2, msg
-    assert dist[-1].max() <= 1e-2, msg
+    assert med[1] < med[0] and med[2] < med[1], msg
+    assert (dist[2] < dist[0]).all(), msg
+
+
+# A draw of the test above (draw 0, Δ = 1e-2) with its noisy-route moments from the 4-D reference
+# (channel_reference.noisy_l2, n = 6: self-convergence 9e-4 in the metric), confirmed by
+# importance sampling from the prior (2e7 draws, effective sample size 7.5e5): the two agree to
+# 2.5e-3 in the metric and to 5e-4 in log Z_out.
+NOISY_L2_DRAW = dict(
+    y=np.array([[6.3391212800156183e-01, 3.6608787199843817e-01],
+                [1.3625605678151606e-04, 9.9986374394321842e-01]]),
+    omega=np.array([[0.0008698497809753275, 0.21124499542145916],
+                    [-0.193844736506561, -0.629743528454665]]),
+    V=np.array([[0.5, 0.0], [0.0, 0.5]]), noise=1e-2,
+    g_out=np.array([[-0.07930668691174098, 0.07270491204952895],
+                    [1.2185536788582445, -1.0642507471794587]]),
+    dg_out=np.array([[0.21287028916507023, -0.3627650161688821, 0.08774103250080947, -0.0494098670718506],
+                     [-0.3627650161688821, 0.32714740877321047, -0.027652633591200806, 0.11484972253686666],
+                     [0.08774103250080947, -0.027652633591200806, -1.635200701409342, -0.6377222617421897],
+                     [-0.0494098670718506, 0.11484972253686666, -0.6377222617421897, -0.09304085102255444]]),
+    log_z=1.70263371345111)
+
+
+@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): the noisy route for L = 2 (4-D, Laplace pieces + Gauss–Hermite, adaptive fallback) is off by ≈ 0.26 in the metric and 0.11 in log Z_out on this draw (measured with tol=1e-7)")
+def test_noisy_l2_known_draw():
+    """The noisy route for L = 2 (4-D integral) on NOISY_L2_DRAW, at the accuracy the 4-D
+    reference supports: metric ≤ 1e-2, |Δ log Z_out| ≤ 1e-2."""
+    k = NOISY_L2_DRAW
+    d = Draw(k["y"], k["omega"], k["V"], "known", None, k["noise"])
+    expected = ref.Reference(k["g_out"], k["dg_out"], k["log_z"], 9e-4, 0.0)
+    mo = model(2).channel(noise=k["noise"], tol=CHANNEL_TOL).moments(d.y[None], d.omega[None], d.V)
+    err = ref.metric(mo.g_out[0], mo.dg_out[0], expected.g_out, expected.dg_out)
+    msg = describe(d, "noisy L=2", expected, mo, err)
+    assert err <= 1e-2, msg
+    assert abs(mo.log_z[0] - expected.log_z) <= 1e-2, msg
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): see test_noisy_l2_known_draw")
+@settings(BASE, max_examples=6)
+@given(data=st.data(), noise=st.floats(math.log(1e-2), 0.0).map(math.exp))
+def test_noisy_l2_state_evolution_draws(data, noise):
+    """The noisy route for L = 2 against the 4-D reference (n = 5: ≈ 1e-3 accurate, 1–3 minutes
+    per draw), at 1e-2."""
+    d = data.draw(se_draws(2, noise=noise))
+    expected = ref.noisy_l2(d.y, d.omega, d.V, 1.0, 1.0, noise, n=5)
+    compare("noisy L=2", channel(2, noise=noise), d, expected, 1e-2, 3e-3, log_z=False)
 
 
 # -- bad input -------------------------------------------------------------------------------------------
