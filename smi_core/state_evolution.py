@@ -202,22 +202,21 @@ def _start(start, R: int) -> tuple[np.ndarray, str]:
 
 
 def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, damping: float,
-             tol: float, max_iter: int) -> SEResult:
-    q, trajectory, last = q0, [q0], np.inf
+             tol: float, max_iter: int, memory: int = 3) -> SEResult:
+    q, trajectory, mix = q0, [q0], _Anderson(memory)
     for it in range(1, max_iter + 1):
         q_hat, q_hat_err, log_z, log_z_err = problem.step(q, alpha)
-        q_new = damping * q + (1 - damping) * problem.update(q_hat)
-        step = np.abs(q_new - q).max()
-        converged = _distance(step, last) < tol
+        mix.push(q, damping * q + (1 - damping) * problem.update(q_hat))
+        converged = mix.distance() < tol
         if converged or it == max_iter:
             break
-        q, last = q_new, step
+        q = _project(mix.next().reshape(q.shape))
         trajectory.append(q)
     bayes, bayes_err, plugin, plugin_err = problem.errors(q)
     # δq* = (1 − d) (I + q̂)⁻¹ δq̂ (I + q̂)⁻¹ / (1 − ρ): a perturbation of the map moves its fixed
-    # point by 1/(1 − ρ) times as much (ρ the contraction of the last steps, ≤ 0.99)
+    # point by 1/(1 − ρ) times as much (ρ the map's contraction, taken ≤ 0.99)
     inv = np.abs(np.linalg.inv(np.eye(problem.R) + q_hat + problem.side_info * np.eye(problem.R)))
-    rho = min(step / last, 0.99) if np.isfinite(last) and last > 0 else 0.0
+    rho = min(mix.contraction(), 0.99) if len(mix.X) > 1 else 0.0
     return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
                     plugin_error=plugin, free_entropy=problem.free_entropy(q, q_hat, alpha, log_z),
                     trajectory=np.array(trajectory), stderr=q_hat_err,
@@ -226,16 +225,48 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
                     plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label)
 
 
-def _distance(step: float, last: float) -> float:
-    """Distance to the fixed point estimated from two successive steps: step / (1 − ρ) with
-    the contraction ρ = step / last (infinite while the iteration is not contracting, e.g. when
-    escaping slowly from q ≈ 0 just above a weak-recovery threshold)."""
-    if step == 0:
-        return 0.0
-    if last == np.inf:                  # one step: no contraction estimate yet
-        return np.inf
-    rho = step / last
-    return step / (1 - rho) if rho < 1 else np.inf
+class _Anderson:
+    """Guarded Anderson acceleration of the fixed-point map q ↦ G(q) (memory m): the next
+    iterate is G(q_k) − ΔG γ with γ = argmin ‖F_k − ΔF γ‖, F = G(q) − q.  It extrapolates only
+    while every entry of the residual F shrinks, so an iterate escaping an unstable fixed point
+    (q ≈ 0 above a weak-recovery threshold) takes plain steps, as AMP does, and only within a
+    trust region along F; the history restarts whenever the residual grows."""
+
+    def __init__(self, memory: int):
+        self.memory, self.X, self.G = memory, [], []
+
+    def push(self, x: np.ndarray, g: np.ndarray) -> None:
+        self.X, self.G = self.X[-self.memory:] + [x.ravel()], self.G[-self.memory:] + [g.ravel()]
+
+    def contraction(self) -> float:
+        """ρ̂ = max_i |ΔG_i| / |ΔX_i| (max norm) over the history: the map's contraction."""
+        dX, dG = np.abs(np.diff(self.X, axis=0)).max(axis=1), np.abs(np.diff(self.G, axis=0)).max(axis=1)
+        return float(np.max(np.where(dX > 0, dG / np.where(dX > 0, dX, 1), 0.0)))
+
+    def distance(self) -> float:
+        """Distance to the fixed point, |F_k| / (1 − ρ̂) (infinite before two evaluations or
+        while ρ̂ ≥ 1)."""
+        f = np.abs(self.G[-1] - self.X[-1]).max()
+        if f == 0:
+            return 0.0
+        rho = self.contraction() if len(self.X) > 1 else np.inf
+        return f / (1 - rho) if rho < 1 else np.inf
+
+    def next(self) -> np.ndarray:
+        F = np.array(self.G) - np.array(self.X)
+        if len(F) < 2 or (np.abs(F[-1]) > np.abs(F[-2])).any():
+            if len(F) >= 2 and np.abs(F[-1]).max() > np.abs(F[-2]).max():
+                self.X, self.G = self.X[-1:], self.G[-1:]
+            return self.G[-1]
+        dF, dG = np.diff(F, axis=0), np.diff(self.G, axis=0)
+        gamma = np.linalg.lstsq(dF.T, F[-1], rcond=None)[0]
+        x = self.G[-1] - dG.T @ gamma
+        # trust region: the step must point along the residual and not exceed the
+        # predicted distance, else it is a jump towards another (possibly unstable) fixed point
+        step, f = x - self.X[-1], F[-1]
+        reach = np.abs(f) / (1 - min(self.contraction(), 0.95))
+        along = (np.sign(step) == np.sign(f)) | (np.abs(f) <= 1e-12)
+        return x if (along & (np.abs(step) <= reach)).all() else self.G[-1]
 
 
 def _best(a: SEResult, b: SEResult) -> SEResult:
