@@ -15,7 +15,9 @@ Nodes sit on the posterior: every mode (one per sign of u_L and reflection of an
 or per symmetry of the link) is found by Gauss–Newton, the integral is split by a partition of
 unity over the modes' Laplace Gaussians, and each piece is integrated by a Gauss–Hermite tensor
 rule centred and scaled on its mode (d ≤ 4), or by randomised QMC (d > 4).  The error estimate
-is the difference to a coarser rule; with ``tol`` the node count grows until it is met.
+is the difference to a coarser rule; with ``tol`` the node count grows (×1.5, while n^d ≤
+GH_BUDGET, each rule checked against the previous one), and samples still above it go to
+adaptive Genz–Malik cubature.
 
 L = 2, T = 2 (x = h_1 = (a, b) ∈ R²) with a broad posterior: the softmax of layer 1 switches
 across the lines a = 0, b = 0 and a = b, on a scale ≈ 1/(β|h_1|) — near-cliffs and plateaus on
@@ -41,6 +43,7 @@ from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
 DEFAULT_NODES = {1: 40, 2: 14, 3: 9, 4: 7}
+GH_BUDGET = 16384       # with tol: Gauss–Hermite grows ×1.5 per dimension while n^d stays below this
 QMC_SCRAMBLES = 4
 
 
@@ -153,7 +156,19 @@ class Channel:
                     for _ in range(QMC_SCRAMBLES)]
             fine = _combine(runs)
             error = self._spread(runs, omega, V, Vinv, ref) / np.sqrt(QMC_SCRAMBLES)
-        if self.tol is not None:
+        if self.tol is not None and d <= 4:     # first more Gauss–Hermite nodes (×1.5, ≤ 3 times)
+            for _ in range(3):
+                redo = np.flatnonzero(~(error <= self.tol))
+                finer_nodes = int(np.ceil(1.5 * nodes))
+                if not redo.size or finer_nodes ** d > GH_BUDGET:
+                    break
+                finer = self._run(tuple(a[redo] for a in args), gauss_hermite(finer_nodes, d))
+                error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
+                                           Vinv[redo], ref[redo])
+                for a, b in zip(fine, finer):
+                    a[redo] = b
+                nodes = finer_nodes
+        if self.tol is not None:                # then adaptive cubature
             redo = np.flatnonzero(~(error <= self.tol))
             if redo.size:
                 better, error[redo] = self._adaptive(tuple(a[redo] for a in args), const0[redo], V[redo])
