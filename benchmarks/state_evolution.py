@@ -5,7 +5,8 @@ Two-layer attention (T = 2, r = 1, c = 1, β = 1): 40 values of α from 0.05 to 
 to a distance < 1e-4 from its fixed point; target ≤ 2 minutes on 2 cores.  Three-layer
 (``--three-layer``): target ≤ 20 minutes.
 
-    python benchmarks/state_evolution.py [--samples N] [--nodes K] [--three-layer] [--plot DIR]
+    python benchmarks/state_evolution.py [--samples N] [--nodes K] [--channel-tol TOL]
+                                         [--three-layer] [--plot DIR]
 """
 import argparse
 import time
@@ -16,10 +17,11 @@ from smi_core import DeepAttention
 from smi_core.state_evolution import learning_curve
 
 
-def run(layers: int, samples: int, nodes: int | None, threads: int, plot: str | None) -> dict:
+def run(layers: int, samples: int, nodes: int | None, tol: float | None, threads: int,
+        plot: str | None) -> dict:
     model = DeepAttention(layers=layers, tokens=2)
     alphas = np.linspace(0.05, 2, 40)
-    channel = {"threads": threads, "error_estimate": False} | ({"nodes": nodes} if nodes else {})
+    channel = {"threads": threads} | ({"nodes": nodes} if nodes else {}) | ({"tol": tol} if tol else {})
     start = time.perf_counter()
     curve = learning_curve(model, alphas, samples=samples, channel=channel)
     seconds = time.perf_counter() - start
@@ -27,7 +29,7 @@ def run(layers: int, samples: int, nodes: int | None, threads: int, plot: str | 
         from smi_core.figures import plot_learning_curve
         plot_learning_curve(curve, f"{plot}/se_L{layers}.png", title=repr(model))
     print(f"\n{model!r}: {len(alphas)} values of α in {seconds:.1f} s "
-          f"(samples {samples}, nodes {nodes or 'default'}, threads {threads})")
+          f"(samples {samples}, channel nodes {nodes or 'default'}, tol {tol}, threads {threads})")
     print(" alpha   " + "  ".join(f"q_{i + 1}   " for i in range(layers))
           + "pred.err  iters  stderr(q̂)  stderr(q)")
     for r in curve:
@@ -42,13 +44,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--nodes", type=int, default=None, help="channel nodes per dimension")
+    p.add_argument("--channel-tol", type=float, default=None, help="channel tolerance per sample")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--three-layer", action="store_true", help="also the three-layer curve")
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures to DIR")
     a = p.parse_args()
-    rows = [(2, "≤ 120 s", run(2, a.samples, a.nodes, a.threads, a.plot))]
+    rows = [(2, "≤ 120 s", run(2, a.samples, a.nodes, a.channel_tol, a.threads, a.plot))]
     if a.three_layer:
-        rows.append((3, "≤ 1200 s", run(3, a.samples, a.nodes, a.threads, a.plot)))
+        rows.append((3, "≤ 1200 s", run(3, a.samples, a.nodes, a.channel_tol, a.threads, a.plot)))
     print("\nlayers  seconds  target    iterations  all converged  max stderr(q)")
     for layers, target, r in rows:
         print(f"{layers:6d}  {r['seconds']:7.1f}  {target:8s}  {r['iterations']:10d}  "

@@ -96,7 +96,8 @@ def cmd_se(a) -> dict:
     """State evolution over a grid of α (spec §5): overlaps per layer, errors, free entropy."""
     from .state_evolution import learning_curve
     model = _model(a)
-    channel = {"threads": a.threads} | ({"nodes": a.nodes} if a.nodes else {})
+    channel = ({"threads": a.threads} | ({"nodes": a.nodes} if a.nodes else {})
+               | ({"tol": a.channel_tol} if a.channel_tol else {}))
     start = time.perf_counter()
     curve = learning_curve(model, _alphas(a.alphas), start=a.start, samples=a.samples, seed=a.seed,
                            noise=a.noise, side_info=a.side_info, tol=a.tol, max_iter=a.max_iter,
@@ -163,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--max-iter", type=int, default=200)
     se.add_argument("--damping", type=float, default=0.0)
     se.add_argument("--nodes", type=int, default=None, help="channel quadrature nodes per dimension")
+    se.add_argument("--channel-tol", type=float, default=None,
+                    help="per-sample tolerance of the channel's quadrature (e.g. 1e-2; default: nodes only)")
     se.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
     se.add_argument("--csv", default="se.csv", help="where to write the table (default se.csv)")
     se.add_argument("--plot", default=None, metavar="FILE", help="draw overlaps and errors against α to FILE")

@@ -111,7 +111,8 @@ def _sqrtm(q: np.ndarray) -> np.ndarray:
 def _project(q: np.ndarray) -> np.ndarray:
     """Symmetrise and clip the eigenvalues into [0, 1 − V_MIN]."""
     w, U = np.linalg.eigh(0.5 * (q + q.T))
-    return (U * np.clip(w, 0.0, 1 - V_MIN)) @ U.T
+    q = (U * np.clip(w, 0.0, 1 - V_MIN)) @ U.T
+    return 0.5 * (q + q.T)
 
 
 class _Problem:
@@ -178,8 +179,12 @@ class _Problem:
 
 def _channel(model, noise, options):
     """The channel SE calls: a one-index link's closed form when SymPy has one, else the
-    model's default route (reparametrisation, or the noisy route when noise is given)."""
+    model's default route (reparametrisation, or the noisy route when noise is given), with
+    its default nodes; no per-sample error estimate is computed unless ``tol`` is given (SE
+    does not use it)."""
     options = dict(options or {})
+    if "tol" not in options:
+        options.setdefault("error_estimate", False)
     if "route" not in options and not hasattr(model, "spec"):
         try:
             return model.channel(route="closed", noise=noise, threads=options.get("threads"))
@@ -227,9 +232,9 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
 
 class _Anderson:
     """Guarded Anderson acceleration of the fixed-point map q ↦ G(q) (memory m): the next
-    iterate is G(q_k) − ΔG γ with γ = argmin ‖F_k − ΔF γ‖, F = G(q) − q.  It extrapolates only
-    while every entry of the residual F shrinks, so an iterate escaping an unstable fixed point
-    (q ≈ 0 above a weak-recovery threshold) takes plain steps, as AMP does, and only within a
+    iterate is G(q_k) − ΔG γ with γ = argmin ‖F_k − ΔF γ‖, F = G(q) − q.  While an entry of F
+    grows with a steady sign (an iterate escaping an unstable fixed point, q ≈ 0 above a
+    weak-recovery threshold) it takes plain steps, as AMP does; it extrapolates only within a
     trust region along F; the history restarts whenever the residual grows."""
 
     def __init__(self, memory: int):
@@ -254,18 +259,22 @@ class _Anderson:
 
     def next(self) -> np.ndarray:
         F = np.array(self.G) - np.array(self.X)
-        if len(F) < 2 or (np.abs(F[-1]) > np.abs(F[-2])).any():
-            if len(F) >= 2 and np.abs(F[-1]).max() > np.abs(F[-2]).max():
+        if len(F) < 2:
+            return self.G[-1]
+        f, before = F[-1], F[-2]
+        steady = (np.sign(f) == np.sign(before)) & (np.abs(f) > 1e-12)   # not jitter
+        if (steady & (np.abs(f) > np.abs(before))).any():                 # an entry escapes
+            if np.abs(f).max() > np.abs(before).max():
                 self.X, self.G = self.X[-1:], self.G[-1:]
             return self.G[-1]
         dF, dG = np.diff(F, axis=0), np.diff(self.G, axis=0)
-        gamma = np.linalg.lstsq(dF.T, F[-1], rcond=None)[0]
+        gamma = np.linalg.lstsq(dF.T, f, rcond=None)[0]
         x = self.G[-1] - dG.T @ gamma
-        # trust region: the step must point along the residual and not exceed the
-        # predicted distance, else it is a jump towards another (possibly unstable) fixed point
-        step, f = x - self.X[-1], F[-1]
-        reach = np.abs(f) / (1 - min(self.contraction(), 0.95))
-        along = (np.sign(step) == np.sign(f)) | (np.abs(f) <= 1e-12)
+        # trust region: along the residual where it is steady, and no further than the
+        # predicted distance; else it is a jump towards another (possibly unstable) fixed point
+        step = x - self.X[-1]
+        reach = np.maximum(np.abs(f), 0.01 * np.abs(f).max()) / (1 - min(self.contraction(), 0.95))
+        along = (np.sign(step) == np.sign(f)) | ~steady
         return x if (along & (np.abs(step) <= reach)).all() else self.G[-1]
 
 
