@@ -264,7 +264,7 @@ class ReparamChannel(Channel):
         super().__init__(model, **options)
         from .models import DeepAttention
         self._u_model = DeepAttention(1, model.tokens, 1, skip=model.skip, beta=model.beta,
-                                      backend=model.backend)
+                                      backend=model.backend, threads=self.threads or model._threads or None)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
