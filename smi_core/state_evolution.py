@@ -232,10 +232,12 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
 
 class _Anderson:
     """Guarded Anderson acceleration of the fixed-point map q ↦ G(q) (memory m): the next
-    iterate is G(q_k) − ΔG γ with γ = argmin ‖F_k − ΔF γ‖, F = G(q) − q.  While an entry of F
-    grows with a steady sign (an iterate escaping an unstable fixed point, q ≈ 0 above a
-    weak-recovery threshold) it takes plain steps, as AMP does; it extrapolates only within a
-    trust region along F; the history restarts whenever the residual grows."""
+    iterate is G(q_k) − ΔG γ with γ = argmin ‖F_k − ΔF γ‖, F = G(q) − q.  It takes plain steps,
+    as AMP does, until the map contracts over the whole history (ρ̂ < 1) and while an entry of
+    F grows with a steady sign (an iterate escaping an unstable fixed point, q ≈ 0 above a
+    weak-recovery threshold); it extrapolates only within a trust region: along F and no
+    further than the predicted distance |F|/(1 − ρ̂).  The history restarts whenever the
+    residual grows."""
 
     def __init__(self, memory: int):
         self.memory, self.X, self.G = memory, [], []
@@ -259,7 +261,7 @@ class _Anderson:
 
     def next(self) -> np.ndarray:
         F = np.array(self.G) - np.array(self.X)
-        if len(F) < 2:
+        if len(F) < 2 or self.contraction() >= 1:        # not (yet) contracting: plain step
             return self.G[-1]
         f, before = F[-1], F[-2]
         steady = (np.sign(f) == np.sign(before)) & (np.abs(f) > 1e-12)   # not jitter
@@ -273,7 +275,7 @@ class _Anderson:
         # trust region: along the residual where it is steady, and no further than the
         # predicted distance; else it is a jump towards another (possibly unstable) fixed point
         step = x - self.X[-1]
-        reach = np.maximum(np.abs(f), 0.01 * np.abs(f).max()) / (1 - min(self.contraction(), 0.95))
+        reach = np.maximum(np.abs(f), 0.01 * np.abs(f).max()) / (1 - self.contraction())
         along = (np.sign(step) == np.sign(f)) | ~steady
         return x if (along & (np.abs(step) <= reach)).all() else self.G[-1]
 
