@@ -118,6 +118,9 @@ def test_two_layer_attention_layers_learned_one_after_the_other():
     high = state_evolution(model, 1.3, **FAST)
     assert low.converged and high.converged
     assert low.q[1, 1] > 0.5 and low.q[0, 0] < 0.05, low.q
+    # the uninformed start stays on the AMP branch (an accelerated step once jumped to q = I)
+    mid = state_evolution(model, 0.7, **FAST)
+    assert mid.q[0, 0] < 0.05 < 0.9 < mid.q[1, 1] < 0.99, mid.q
     assert high.q[0, 0] > 0.5 and high.q[1, 1] > 0.5, high.q
     assert (low.mse == 1 - np.diag(low.q)).all()
 
