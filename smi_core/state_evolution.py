@@ -10,8 +10,9 @@ The expectation is an average over ``samples`` draws of (ξ, ζ, noise), split i
 ``BLOCKS`` independent blocks (Monte Carlo with a seeded generator, or independently scrambled
 Sobol points); the standard error of every reported average is the spread of its block means
 over √BLOCKS.  The same draws are used at every iteration (common random numbers), so the
-iteration is a deterministic map; it stops when the distance to its fixed point, estimated from
-two successive steps as |Δq| / (1 − ρ) (ρ the ratio of the steps), is below ``tol``.
+iteration is a deterministic map (accelerated, see _Anderson); it stops when the distance to its
+fixed point, estimated as |G(q) − q| / (1 − ρ̂) (ρ̂ the map's contraction over the last steps),
+is below ``tol``.
 
 Free entropy at (q, q̂):
 
@@ -103,15 +104,19 @@ class _Draws:
         return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
 
 
-def _sqrtm(q: np.ndarray) -> np.ndarray:
+def _spectral(q: np.ndarray, f) -> np.ndarray:
+    """f(q) for symmetric q: f applied to the eigenvalues."""
     w, U = np.linalg.eigh(q)
-    return (U * np.sqrt(np.clip(w, 0, None))) @ U.T
+    return (U * f(w)) @ U.T
+
+
+def _sqrtm(q: np.ndarray) -> np.ndarray:
+    return _spectral(q, lambda w: np.sqrt(np.clip(w, 0, None)))
 
 
 def _project(q: np.ndarray) -> np.ndarray:
     """Symmetrise and clip the eigenvalues into [0, 1 − V_MIN]."""
-    w, U = np.linalg.eigh(0.5 * (q + q.T))
-    q = (U * np.clip(w, 0.0, 1 - V_MIN)) @ U.T
+    q = _spectral(0.5 * (q + q.T), lambda w: np.clip(w, 0.0, 1 - V_MIN))
     return 0.5 * (q + q.T)
 
 
@@ -153,13 +158,17 @@ class _Problem:
         log_z, log_z_err = self.draws.mean(m.log_z)
         return alpha * q_hat, alpha * q_hat_err, float(log_z), float(log_z_err)
 
+    def shifted(self, q_hat: np.ndarray) -> np.ndarray:
+        """q̂ + λI: the prior's conjugate with side information."""
+        return q_hat + self.side_info * np.eye(self.R)
+
     def update(self, q_hat: np.ndarray) -> np.ndarray:
         """q = (q̂ + λI)(I + q̂ + λI)⁻¹."""
-        A = q_hat + self.side_info * np.eye(self.R)
+        A = self.shifted(q_hat)
         return _project(A @ np.linalg.inv(np.eye(self.R) + A))
 
     def free_entropy(self, q, q_hat, alpha, log_z) -> float:
-        A = q_hat + self.side_info * np.eye(self.R)
+        A = self.shifted(q_hat)
         return float(-0.5 * np.trace(q @ q_hat) + 0.5 * (np.trace(A) - np.linalg.slogdet(np.eye(self.R) + A)[1])
                      + alpha * log_z)
 
@@ -220,7 +229,7 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
     bayes, bayes_err, plugin, plugin_err = problem.errors(q)
     # δq* = (1 − d) (I + q̂)⁻¹ δq̂ (I + q̂)⁻¹ / (1 − ρ): a perturbation of the map moves its fixed
     # point by 1/(1 − ρ) times as much (ρ the map's contraction, taken ≤ 0.99)
-    inv = np.abs(np.linalg.inv(np.eye(problem.R) + q_hat + problem.side_info * np.eye(problem.R)))
+    inv = np.abs(np.linalg.inv(np.eye(problem.R) + problem.shifted(q_hat)))
     rho = min(mix.contraction(), 0.99) if len(mix.X) > 1 else 0.0
     return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
                     plugin_error=plugin, free_entropy=problem.free_entropy(q, q_hat, alpha, log_z),
@@ -341,16 +350,16 @@ def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool =
                    tol: float = 1e-4, max_iter: int = 200) -> list[SEResult]:
     """State evolution over a grid of α with continuation: the uninformed branch is swept up in
     α, each point started from the previous fixed point (its eigenvalues floored at the
-    uninformed start); the informed branch is swept down.  Options as for state_evolution.  ``start="both"`` sweeps both and keeps,
-    per α, the fixed point of larger free entropy (the other in ``.alternative``).  The same
-    draws serve every α.  Returns one SEResult per α, in the order given."""
+    uninformed start); the informed branch is swept down.  ``start="both"`` sweeps both and
+    keeps, per α, the fixed point of larger free entropy (the other in ``.alternative``).  The
+    same draws serve every α.  Options as for state_evolution.  Returns one SEResult per α, in
+    the order given."""
     alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
     if alphas.size == 0 or not np.isfinite(alphas).all() or (alphas < 0).any():
         raise ValueError("alphas must be a non-empty list of finite values ≥ 0")
     if start not in STARTS:
         raise ValueError(f"start must be one of {STARTS}, got {start!r}")
-    for a in alphas:
-        _check(a, damping, tol, max_iter)
+    _check(0.0, damping, tol, max_iter)
     problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel)
     branches = {}
     bar = _progress(progress, len(alphas) * (2 if start == "both" else 1))
@@ -361,8 +370,7 @@ def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool =
             results[i] = res = _iterate(problem, float(alphas[i]), q0, branch, damping, tol, max_iter)
             q0 = res.q
             if branch == "uninformed":      # off the q = 0 fixed point again
-                w, U = np.linalg.eigh(res.q)
-                q0 = (U * np.maximum(w, UNINFORMED)) @ U.T
+                q0 = _spectral(res.q, lambda w: np.maximum(w, UNINFORMED))
             bar.set_postfix(alpha=f"{alphas[i]:.3g}", q=np.round(np.diag(res.q), 3).tolist())
             bar.update(1)
         branches[branch] = results
