@@ -9,37 +9,14 @@ import time
 
 import numpy as np
 
+from .cliutil import alphas, build_model, model_args, table, write_csv
 from .kernels import pregenerated
-from .models import DeepAttention
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=2, help="depth L (default 2)")
-    p.add_argument("--tokens", type=int, default=2, help="sequence length T (default 2)")
-    p.add_argument("--rank", type=int, default=1, help="rank r per layer (default 1)")
-    p.add_argument("--skip", type=float, default=1.0, help="skip strength c (default 1)")
-    p.add_argument("--beta", type=float, default=1.0, help="inverse temperature β (default 1)")
-    p.add_argument("--architecture", default="tied", help="tied | untied | multihead | seq2seq")
-    p.add_argument("--link", default="softmax", help="last-layer activation: softmax | hardmax | linear")
-
-
-def _model(a) -> DeepAttention:
-    return DeepAttention(layers=a.layers, tokens=a.tokens, rank=a.rank, skip=a.skip, beta=a.beta,
-                         architecture=a.architecture, link=a.link)
-
-
-def _table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    cells = [[f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys] for r in rows]
-    width = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, width))
-    return "\n".join([line(keys), line(["-" * w for w in width])] + [line(c) for c in cells])
 
 
 def cmd_demo(a) -> dict:
     """Forward map, Jacobian and channel reparametrisation of a deep-attention model on random
     indices Z ~ N(0, I): throughput, and the round trip y → ±h_L."""
-    model = _model(a)
+    model = build_model(a)
     rng = np.random.default_rng(a.seed)
     Z = rng.standard_normal((a.samples, model.indices, model.tokens))
     rows = []
@@ -63,7 +40,7 @@ def cmd_demo(a) -> dict:
                                 "max_abs_error": float(err.max()), "median_abs_error": float(np.median(err))}
     if not a.json:
         print(result["model"])
-        print(_table(rows))
+        print(table(rows))
         if "round_trip" in result:
             rt = result["round_trip"]
             print(f"round trip y = g(Z) → ±h_L: max |error| {rt['max_abs_error']:.2e}, median "
@@ -77,42 +54,31 @@ def cmd_kernels(a) -> dict:
     rows = [{"kernel": k, "module": v["module"], "n_in": v["n_in"], "n_out": v["n_out"]}
             for k, v in sorted(pregenerated().items())]
     if not a.json:
-        print(_table(rows))
+        print(table(rows))
     return {"kernels": rows}
-
-
-def _alphas(text: str) -> np.ndarray:
-    """"a:b:n" (n values from a to b) or a comma-separated list."""
-    try:
-        if ":" in text:
-            lo, hi, n = text.split(":")
-            return np.linspace(float(lo), float(hi), int(n))
-        return np.array([float(v) for v in text.split(",")])
-    except ValueError:
-        raise ValueError(f"--alphas must be 'start:stop:count' or a comma-separated list, got {text!r}") from None
 
 
 def cmd_se(a) -> dict:
     """State evolution over a grid of α (spec §5): overlaps per layer, errors, free entropy."""
     from .state_evolution import learning_curve
-    model = _model(a)
+    model = build_model(a)
     channel = ({"threads": a.threads} | ({"nodes": a.nodes} if a.nodes else {})
                | ({"tol": a.channel_tol} if a.channel_tol else {}))
     start = time.perf_counter()
-    curve = learning_curve(model, _alphas(a.alphas), start=a.start, samples=a.samples, seed=a.seed,
+    curve = learning_curve(model, alphas(a.alphas), start=a.start, samples=a.samples, seed=a.seed,
                            noise=a.noise, side_info=a.side_info, tol=a.tol, max_iter=a.max_iter,
                            damping=a.damping, channel=channel, progress=not a.quiet)
     seconds = time.perf_counter() - start
     rows = [_se_row(r) for r in curve]
     result = {"model": repr(model), "noise": a.noise, "samples": a.samples, "seed": a.seed,
               "seconds": seconds, "points": [r.to_dict() for r in curve]}
-    _write_csv(a.csv, rows)
+    write_csv(a.csv, rows)
     if a.plot:
         from .figures import plot_learning_curve
         plot_learning_curve(curve, a.plot, title=repr(model))
     if not a.json:
         print(result["model"] + (f", noise Δ = {a.noise}" if a.noise else ""))
-        print(_table(rows))
+        print(table(rows))
         print(f"{len(curve)} values of α in {seconds:.1f} s; table written to {a.csv}"
               + (f", figure to {a.plot}" if a.plot else ""))
     return result
@@ -128,14 +94,6 @@ def _se_row(r) -> dict:
     return row
 
 
-def _write_csv(path: str, rows: list[dict]) -> None:
-    import csv
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def cmd_regenerate(a) -> int:
     from codegen.cli import main as regenerate
     return regenerate(a.rest)
@@ -146,14 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      "attention networks and sequence multi-index models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = sub.add_parser("demo", help="forward map, Jacobian and reparametrisation of a deep-attention model")
-    _model_args(demo)
+    model_args(demo)
     demo.add_argument("--samples", type=int, default=200_000, help="number of random samples")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
     kern = sub.add_parser("kernels", help="list the pre-generated compiled kernels")
     kern.set_defaults(func=cmd_kernels)
     se = sub.add_parser("se", help="state evolution: learning curves over a grid of α")
-    _model_args(se)
+    model_args(se)
     se.add_argument("--noise", type=float, default=None, help="output noise Δ > 0 (default: noiseless)")
     se.add_argument("--alphas", default="0.05:2:40", help="'start:stop:count' or a list (default 0.05:2:40)")
     se.add_argument("--samples", type=int, default=4096, help="draws of (ξ, ζ) per iteration (default 4096)")
@@ -171,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--plot", default=None, metavar="FILE", help="draw overlaps and errors against α to FILE")
     se.add_argument("--quiet", action="store_true", help="no progress bar")
     se.set_defaults(func=cmd_se)
-    for p in (demo, kern, se):
+    for p in sub.choices.values():            # every sub-command, here or from another module, has --json
         p.add_argument("--json", action="store_true", help="print the result as JSON")
     regen = sub.add_parser("regenerate-kernels", help="rewrite generated/ from derive/ (see --help)",
                            add_help=False)
