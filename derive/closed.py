@@ -80,6 +80,22 @@ def two_point_channel(g):
     return log_z, (mean - OMEGA) / V, var / V ** 2 - 1 / V
 
 
+def token_wise(expr: sp.Matrix, tokens: int):
+    """The scalar link g(z) (in ``Z``) when a one-index link applies it to every token alone,
+    expr = [g(z_0_t)]_t (one shared weight vector, outputs independent given the tokens);
+    else None.  Its channel is the product of T one-token channels."""
+    entries = list(expr)
+    if len(entries) != tokens:
+        return None
+    z = [index_symbols(1, tokens)[0, t] for t in range(tokens)]
+    g = entries[0]
+    for t, e in enumerate(entries):
+        index = {s for s in e.free_symbols if s.name.startswith("z_")}
+        if not index <= {z[t]} or sp.simplify(e - g.subs(z[0], z[t])) != 0:
+            return None
+    return g
+
+
 def support(g, noisy: bool) -> str:
     """The outputs y a closed-form channel accepts: "real" (noisy), "sign" (y = ±1) or
     "positive" (y > 0, two pre-images)."""

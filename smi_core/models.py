@@ -94,6 +94,14 @@ class DeepAttention(SMIModel):
         self.output_shape = (tokens, tokens)
         super().__init__(attention_kernels(self.spec), params, backend, threads)
 
+    def replace(self, **changes) -> "DeepAttention":
+        """The same model with some constructor arguments changed, e.g. ``replace(skip=0.5)``."""
+        s = self.spec
+        args = dict(layers=s.layers, tokens=s.tokens, rank=s.rank, skip=self.skip, beta=self.beta,
+                    architecture=s.architecture, link=s.link, heads=s.heads, readout=self.readout,
+                    backend=self.backend, threads=self._threads)
+        return DeepAttention(**(args | changes))
+
     def __repr__(self):
         s = self.spec
         return (f"DeepAttention(layers={s.layers}, tokens={s.tokens}, rank={s.rank}, skip={self.skip}, "

@@ -80,12 +80,14 @@ class SEResult:
 
 class _Draws:
     """The fixed standard-normal draws of one state evolution: ξ, ζ (n, R, T), the output
-    noise η (n, size(y)), in BLOCKS equal blocks."""
+    noise η (n, size(y)), in BLOCKS equal blocks.  Without ``xi`` (for q = 0 only) ξ = 0 and
+    ζ takes the first coordinates of the Sobol points."""
 
     def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, xi: bool = True):
         per = -(-samples // BLOCKS)
-        dims = 2 * R * T + (n_out if noisy else 0)
+        k = R * T if xi else 0
+        dims = k + R * T + (n_out if noisy else 0)
         if sampler == "sobol":
             per = 1 << max(int(np.ceil(np.log2(per))), 1)
             u = np.concatenate([qmc.Sobol(dims, scramble=True, seed=rng).random(per) for _ in range(BLOCKS)])
@@ -94,13 +96,17 @@ class _Draws:
             x = rng.standard_normal((per * BLOCKS, dims))
         n = len(x)
         self.n, self.per = n, per
-        self.xi = x[:, :R * T].reshape(n, R, T)
-        self.zeta = x[:, R * T:2 * R * T].reshape(n, R, T)
-        self.eta = x[:, 2 * R * T:] if noisy else None
+        self.xi = x[:, :k].reshape(n, R, T) if xi else np.zeros((n, R, T))
+        self.zeta = x[:, k:k + R * T].reshape(n, R, T)
+        self.eta = x[:, k + R * T:] if noisy else None
+
+    def blocks(self, values: np.ndarray) -> np.ndarray:
+        """The BLOCKS block means of per-sample ``values`` (n, ...)."""
+        return values.reshape(BLOCKS, self.per, *values.shape[1:]).mean(axis=1)
 
     def mean(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean over samples and its standard error from the block means."""
-        blocks = values.reshape(BLOCKS, self.per, *values.shape[1:]).mean(axis=1)
+        blocks = self.blocks(values)
         return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
 
 
@@ -123,7 +129,7 @@ def _project(q: np.ndarray) -> np.ndarray:
 class _Problem:
     """Model, channel, noise, side information and draws: evaluates the SE map at q."""
 
-    def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options):
+    def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options, xi=True):
         self.model, self.R, self.T = model, model.indices, model.tokens
         self.noise = None if noise is None else validate.positive("noise", noise)
         self.side_info = validate.positive("side_info", side_info, allow_zero=True)
@@ -133,7 +139,7 @@ class _Problem:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.channel = _channel(model, self.noise, channel_options)
         self.n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
-        self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng)
+        self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng, xi)
         self.rng = rng
 
     def outputs(self, Z: np.ndarray) -> np.ndarray:

@@ -1,0 +1,320 @@
+"""Weak-recovery thresholds, the grand staircase and phase diagrams (spec §6).
+
+At an overlap q (ω = q^{1/2}ξ, V = I − q, y from Z = ω + V^{1/2}ζ) let J = ∂_ω g_out(y; ω, V)
+and define the linear map on symmetric R×R matrices
+
+    F(M)_ab = E [ Σ_{t,s} Σ_{c,d} J_{(a,t),(c,s)} M_cd J_{(b,t),(d,s)} ]
+
+(per sample Σ_t A_t (M ⊗ I_T) A_tᵀ with A_t = J_{(·,t),(·,·)}: it maps the PSD cone into itself,
+and it is self-adjoint for ⟨M, N⟩ = Tr MN since J is symmetric).  At q = 0 the state evolution
+is q̂ = α F(q) to first order, so the weak-recovery threshold is α_c = 1/ρ(F), with ρ the
+spectral radius, found by power iteration on the PSD cone; its eigen-direction M* names the
+first subspace learned (the range of M*).
+
+Staircase.  Once a one-dimensional subspace U = span(u) is learned, the fixed-point branch on U
+is q* = s uuᵀ, and it is parametrised by s instead of α: q̂* = s/(1 − s) uuᵀ must equal
+α uᵀE[Σ_t g_t g_tᵀ]u uuᵀ, so α(s) = s / ((1 − s) uᵀE[Σ_t g_t g_tᵀ]u), one pass of the channel
+per s and no iteration.  The prior's derivative dq = (I + q̂*)⁻¹ dq̂ (I + q̂*)⁻¹ is the identity
+on U⊥ (q̂* ∝ uuᵀ), so the linearised map on U⊥ is α P F_{q*}(P · P) P with P = I − uuᵀ, and
+the next threshold is the first α along the branch (α(s) increasing, an AMP branch) where
+h(s) = α(s) ρ(P F_{q*} P) − 1 crosses zero.  s is scanned on a grid of x = −log₁₀(1 − s), the
+crossing refined by regula falsi (the Illinois variant) in x; every evaluation uses the same
+draws, so h is a smooth function of x.
+
+Error bars come from BLOCKS independent blocks of draws (independently scrambled Sobol sets or
+Monte Carlo): per block, the Rayleigh quotient ⟨M*, F_b(M*)⟩ (first order in F_b − F, F being
+self-adjoint) and, at a later step, the block's own α_b(s) and h_b(s) interpolated to its root
+— so the error of the branch q*(α) is included.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import validate
+from .state_evolution import BLOCKS, SAMPLERS, V_MIN, _Problem
+
+SUBSPACE = 0.1        # the learned subspace: eigenvectors of M* above this fraction of its largest
+X_MAX = -np.log10(V_MIN)   # the branch is followed up to s = 1 − V_MIN
+
+
+@dataclass
+class Threshold:
+    """One step of the staircase: at ``alpha`` the directions ``subspace`` start to be learned."""
+    alpha: float
+    stderr: float
+    direction: np.ndarray       # (R, R) PSD, unit Frobenius norm: the leading eigen-direction M*
+    subspace: np.ndarray        # (R, R) orthogonal projector onto the range of M*
+    indices: list[int]          # rows a (0-based) of the weights in the subspace (layers for r = 1)
+    overlap: np.ndarray         # (R, R) q* on the branch where the step happens (0 at the first)
+    samples: int
+
+    def to_dict(self) -> dict:
+        return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class Staircase:
+    """The steps in the order they happen; ``complete`` when every direction is learned (else
+    ``reason`` says where the search stopped)."""
+    steps: list[Threshold]
+    complete: bool
+    reason: str = ""
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        return self.steps[i]
+
+    def to_dict(self) -> dict:
+        return {"steps": [s.to_dict() for s in self.steps], "complete": self.complete, "reason": self.reason}
+
+
+@dataclass
+class _Evaluation:
+    """Block means at one overlap: E[Σ_t g_t g_tᵀ] (BLOCKS, R, R) and F's tensor
+    F_abcd = E[Σ_{t,s} J_{(a,t),(c,s)} J_{(b,t),(d,s)}] (BLOCKS, R, R, R, R)."""
+    gg: np.ndarray
+    F: np.ndarray
+
+
+def _evaluate(problem: _Problem, q: np.ndarray) -> _Evaluation:
+    omega, V, Z = problem.fields(q)
+    m = problem.channel.moments(problem.outputs(Z), omega, V)
+    R, T = problem.R, problem.T
+    J = m.dg_out.reshape(len(Z), R, T, R, T)
+    return _Evaluation(gg=problem.draws.blocks(np.einsum("nat,nbt->nab", m.g_out, m.g_out)),
+                       F=problem.draws.blocks(np.einsum("natcs,nbtds->nabcd", J, J)))
+
+
+def apply(F: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """F(M)_ab = Σ_cd F_abcd M_cd."""
+    return np.einsum("abcd,cd->ab", F, M)
+
+
+def perron(F: np.ndarray, P: np.ndarray | None = None, tol: float = 1e-13,
+           max_iter: int = 100_000) -> tuple[float, np.ndarray]:
+    """Spectral radius and PSD eigen-direction of M ↦ P F(PMP) P by power iteration on the PSD
+    cone (generalised Perron–Frobenius), from M = P/‖P‖."""
+    R = F.shape[0]
+    P = np.eye(R) if P is None else P
+    M = P / np.linalg.norm(P)
+    rho = 0.0
+    for _ in range(max_iter):
+        N = P @ apply(F, M) @ P
+        N = 0.5 * (N + N.T)
+        rho = float(np.linalg.norm(N))
+        if rho == 0:
+            return 0.0, M
+        N /= rho
+        if np.abs(N - M).max() < tol:
+            break
+        M = N
+    return rho, N
+
+
+def _rayleigh(F_blocks: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """⟨M, F_b(M)⟩ per block (M of unit norm): ρ to first order in F_b − F."""
+    return np.einsum("ab,kab->k", M, np.einsum("kabcd,cd->kab", F_blocks, M))
+
+
+def _subspace(M: np.ndarray) -> np.ndarray:
+    w, U = np.linalg.eigh(M)
+    keep = U[:, w > SUBSPACE * w.max()]
+    return keep @ keep.T
+
+
+def _indices(P: np.ndarray) -> list[int]:
+    return [int(a) for a in np.flatnonzero(np.diag(P) > 0.5)]
+
+
+def _problem(model, noise, samples, rng, sampler, channel, xi=True) -> _Problem:
+    return _Problem(model, noise, 0.0, samples, sampler, rng, channel, xi)
+
+
+def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples):
+    """α_c = 1/ρ(F) at q = 0 from ``samples`` draws, doubled (fresh draws: a Sobol set gains
+    from being large) until the standard error of α_c is below rtol·α_c or would pass
+    ``max_samples``."""
+    while True:
+        problem = _problem(model, noise, samples, rng, sampler, channel, xi=False)
+        F_blocks = _evaluate(problem, np.zeros((problem.R, problem.R))).F
+        rho, M = perron(F_blocks.mean(axis=0))
+        stderr = _rayleigh(F_blocks, M).std(ddof=1) / np.sqrt(BLOCKS) / rho ** 2
+        if stderr <= rtol / rho or 2 * samples > max_samples:
+            break
+        samples *= 2
+    P = _subspace(M)
+    return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
+                     overlap=np.zeros_like(M), samples=problem.draws.n)
+
+
+def _check(samples, rtol, max_samples, sampler):
+    if not isinstance(samples, (int, np.integer)) or samples < 2 * BLOCKS:
+        raise ValueError(f"samples must be an integer ≥ {2 * BLOCKS}, got {samples!r}")
+    validate.positive("rtol", rtol)
+    if not isinstance(max_samples, (int, np.integer)) or max_samples < samples:
+        raise ValueError(f"max_samples must be an integer ≥ samples ({samples}), got {max_samples!r}")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
+
+
+def weak_recovery_threshold(model, *, noise: float | None = None, samples: int = 1 << 15,
+                            rtol: float = 1e-3, max_samples: int = 1 << 18, seed=0,
+                            sampler: str = "sobol", channel: dict | None = None) -> Threshold:
+    """α_c = 1/ρ(F) at q = 0 (module docstring), with its standard error and the leading PSD
+    direction.  ``samples`` draws of Z (and of the output noise, ``noise`` = Δ), doubled until
+    the standard error is below ``rtol``·α_c or would pass ``max_samples``; ``sampler``
+    "sobol" (scrambled, the default) or "mc"; ``channel``: options for ``model.channel``."""
+    _check(samples, rtol, max_samples, sampler)
+    return _first_step(model, noise, samples, np.random.default_rng(seed), sampler, channel, rtol, max_samples)
+
+
+class _Branch:
+    """The fixed-point branch q* = s uuᵀ on a learned direction u and the map on P = I − uuᵀ."""
+
+    def __init__(self, problem: _Problem, u: np.ndarray):
+        self.problem, self.u = problem, u
+        self.P = np.eye(len(u)) - np.outer(u, u)
+        self.cache: dict[float, tuple] = {}
+
+    def __call__(self, x: float):
+        """(α, h, M, per-block α_b, per-block h_b) at s = 1 − 10^-x."""
+        if x not in self.cache:
+            s = 1 - 10.0 ** -x
+            ev = _evaluate(self.problem, s * np.outer(self.u, self.u))
+            alpha_b = s / (1 - s) / np.einsum("a,kab,b->k", self.u, ev.gg, self.u)
+            alpha = s / (1 - s) / (self.u @ ev.gg.mean(axis=0) @ self.u)
+            rho, M = perron(ev.F.mean(axis=0), self.P)
+            self.cache[x] = (alpha, alpha * rho - 1, M, alpha_b, alpha_b * _rayleigh(ev.F, M) - 1)
+        return self.cache[x]
+
+
+def _next_step(problem, u, alpha_prev, alpha_max, rtol, grid) -> Threshold | str:
+    """The next threshold along the branch on span(u), or the reason there is none."""
+    branch = _Branch(problem, u)
+    xs = np.concatenate([[X_MAX / (64 * grid)], np.linspace(X_MAX / grid, X_MAX, grid)])
+    top, lo = alpha_prev, None
+    for x in xs:
+        alpha, h = branch(x)[:2]
+        if alpha < top:                  # past a fold: this part of the branch is unstable
+            continue
+        top = alpha
+        if h >= 0:
+            return _threshold_at(branch, (x, x) if lo is None else _illinois(branch, lo, x, rtol))
+        if alpha > alpha_max:
+            return f"no further direction is learned up to alpha_max = {alpha_max:g}"
+        lo = x
+    return f"no further direction is learned along the branch up to q = 1 − {V_MIN:g} (α = {top:.4g})"
+
+
+def _illinois(branch, a: float, b: float, rtol: float) -> tuple[float, float]:
+    """Shrink [a, b] (h(a) < 0 ≤ h(b)) by the Illinois false position until α(b) − α(a) is
+    below rtol·α(b)/4."""
+    ha, hb = branch(a)[1], branch(b)[1]
+    side = 0
+    for _ in range(40):
+        if branch(b)[0] - branch(a)[0] <= 0.25 * rtol * branch(b)[0]:
+            break
+        c = b - hb * (b - a) / (hb - ha)
+        hc = branch(c)[1]
+        if hc >= 0:
+            b, hb = c, hc
+            ha = ha / 2 if side == 1 else ha
+            side = 1
+        else:
+            a, ha = c, hc
+            hb = hb / 2 if side == -1 else hb
+            side = -1
+    return a, b
+
+
+def _threshold_at(branch: _Branch, pair: tuple[float, float]) -> Threshold:
+    """α where h = 0, linear in α between the bracket's ends, per block too for the error (a
+    bracket of one point: the branch is unstable in U⊥ as soon as it starts)."""
+    (a_lo, h_lo, _, ab_lo, hb_lo), (a_hi, h_hi, M, ab_hi, hb_hi) = branch(pair[0]), branch(pair[1])
+    if pair[0] == pair[1]:
+        alpha, per = a_hi, ab_hi
+    else:
+        root = lambda al, hl, ah, hh: al + (ah - al) * (-hl) / (hh - hl)
+        alpha, per = root(a_lo, h_lo, a_hi, h_hi), root(ab_lo, hb_lo, ab_hi, hb_hi)
+    P = _subspace(M)
+    return Threshold(alpha=float(alpha), stderr=float(per.std(ddof=1) / np.sqrt(len(per))), direction=M,
+                     subspace=P, indices=_indices(P), overlap=(1 - 10.0 ** -pair[1]) * np.outer(branch.u, branch.u),
+                     samples=branch.problem.draws.n)
+
+
+def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, samples: int = 1 << 15,
+              rtol: float = 1e-3, max_samples: int = 1 << 18, grid: int = 10, seed=0,
+              sampler: str = "sobol", channel: dict | None = None) -> Staircase:
+    """The thresholds at which the subspaces of the weights start to be learned, in order
+    (module docstring): the first at q = 0 as in weak_recovery_threshold, then along the
+    fixed-point branch on the learned direction.  ``grid`` values of s scan the branch before
+    the crossing is refined to ``rtol``; later steps use ``samples`` draws.  A branch on a
+    learned subspace of dimension > 1 with directions still unlearned is not followed (the
+    result says so in ``reason``)."""
+    _check(samples, rtol, max_samples, sampler)
+    validate.positive("alpha_max", alpha_max)
+    if not isinstance(grid, (int, np.integer)) or grid < 2:
+        raise ValueError(f"grid must be an integer ≥ 2, got {grid!r}")
+    rng = np.random.default_rng(seed)
+    first = _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples)
+    steps, learned = [first], first.subspace
+    R = len(learned)
+    problem = None
+    while np.trace(learned) < R - 0.5:
+        if round(np.trace(learned)) > 1:
+            return Staircase(steps, False, "the branch on a learned subspace of dimension > 1 is not followed")
+        problem = problem or _problem(model, noise, samples, rng, sampler, channel)
+        u = np.linalg.eigh(learned)[1][:, -1]
+        step = _next_step(problem, u, steps[-1].alpha, alpha_max, rtol, grid)
+        if isinstance(step, str):
+            return Staircase(steps, False, step)
+        steps.append(step)
+        learned = _subspace(learned + step.subspace)
+    return Staircase(steps, True)
+
+
+@dataclass
+class PhaseDiagram:
+    """Staircase thresholds against the skip strength: ``alpha[i, k]`` is step k at skips[i]
+    (NaN where that staircase stopped earlier)."""
+    skips: np.ndarray
+    alpha: np.ndarray
+    stderr: np.ndarray
+    indices: list[list[list[int]]]      # per skip, per step: the rows learned
+    staircases: list[Staircase]
+
+    def to_dict(self) -> dict:
+        return {"skips": self.skips.tolist(), "alpha": self.alpha.tolist(), "stderr": self.stderr.tolist(),
+                "indices": self.indices, "staircases": [s.to_dict() for s in self.staircases]}
+
+
+def phase_diagram(model_family, skips, *, progress: bool = True, **options) -> PhaseDiagram:
+    """The staircase for every skip strength c in ``skips``: ``model_family`` is a model with a
+    ``replace(skip=c)`` method (DeepAttention) or a function c ↦ model; ``options`` as for
+    staircase."""
+    skips = np.asarray(skips, dtype=np.float64).reshape(-1)
+    if skips.size == 0 or not np.isfinite(skips).all() or (skips < 0).any():
+        raise ValueError("skips must be a non-empty list of finite values ≥ 0")
+    if hasattr(model_family, "replace"):
+        make = lambda c: model_family.replace(skip=c)
+    elif callable(model_family):
+        make = model_family
+    else:
+        raise ValueError("model_family must be a DeepAttention model or a function skip -> model")
+    from tqdm import tqdm
+    stairs = [staircase(make(float(c)), **options)
+              for c in tqdm(skips, disable=not progress, unit="skip", leave=False)]
+    width = max(len(s) for s in stairs)
+    alpha, stderr = np.full((len(skips), width), np.nan), np.full((len(skips), width), np.nan)
+    for i, s in enumerate(stairs):
+        alpha[i, :len(s)] = [t.alpha for t in s]
+        stderr[i, :len(s)] = [t.stderr for t in s]
+    return PhaseDiagram(skips=skips, alpha=alpha, stderr=stderr,
+                        indices=[[t.indices for t in s] for s in stairs], staircases=stairs)

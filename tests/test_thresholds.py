@@ -1,0 +1,169 @@
+"""Weak-recovery thresholds and the staircase (spec §6) against closed forms, an independent
+quadrature and state evolution itself."""
+import json
+
+import numpy as np
+import pytest
+from numpy.polynomial.hermite_e import hermegauss
+
+from smi_core import DeepAttention, LinkModel, index_symbols, register_link, state_evolution
+from smi_core.cli import main
+from smi_core.thresholds import apply, perron, phase_diagram, staircase, weak_recovery_threshold
+
+for T in (1, 2, 3):
+    H = index_symbols(1, T)
+    register_link(f"th_phase_retrieval_T{T}", [H[0, t] ** 2 for t in range(T)])
+H2 = index_symbols(2, 1)
+register_link("th_product", H2[0, 0] * H2[1, 0])
+CLOSED = {"route": "closed"}
+TWO_LAYER = DeepAttention(layers=2, tokens=2)
+
+
+def test_perron_matches_a_dense_eigensolver():
+    rng = np.random.default_rng(1)
+    A, B = rng.standard_normal((2, 3, 3))
+    F = np.einsum("ac,bd->abcd", A, A) + np.einsum("ac,bd->abcd", B, B)    # M ↦ AMAᵀ + BMBᵀ
+    dense = F.reshape(9, 9)
+    rho, M = perron(F)
+    assert rho == pytest.approx(np.abs(np.linalg.eigvals(dense)).max(), rel=1e-10)
+    assert np.linalg.eigvalsh(M).min() > -1e-12
+    assert np.allclose(apply(F, M), rho * M, atol=1e-10)
+
+
+def test_noiseless_phase_retrieval_threshold_is_one_half():
+    th = weak_recovery_threshold(LinkModel("th_phase_retrieval_T1"), channel=CLOSED)
+    assert abs(th.alpha - 0.5) < 1e-3
+    assert th.stderr < 1e-3 and abs(th.alpha - 0.5) < 4 * th.stderr + 1e-4
+    assert th.direction.shape == (1, 1) and th.indices == [0]
+
+
+@pytest.mark.parametrize("T", [2, 3])
+def test_tokens_add_information_threshold_is_one_over_2T(T):
+    th = weak_recovery_threshold(LinkModel(f"th_phase_retrieval_T{T}"), channel=CLOSED)
+    assert abs(th.alpha - 1 / (2 * T)) < 4 * th.stderr + 1e-4
+    assert th.stderr < 1e-3 / T
+
+
+def test_token_wise_closed_channel_is_the_product_of_one_token_channels():
+    rng = np.random.default_rng(2)
+    n = 50
+    y, omega, V = rng.uniform(0.05, 4, (n, 3)), rng.standard_normal((n, 1, 3)), 0.3
+    three = LinkModel("th_phase_retrieval_T3").channel(route="closed").moments(y, omega, V)
+    one = LinkModel("th_phase_retrieval_T1").channel(route="closed").moments(y.reshape(-1), omega.reshape(-1, 1, 1), V)
+    assert np.allclose(three.log_z, one.log_z.reshape(n, 3).sum(axis=1), rtol=1e-13)
+    assert np.allclose(three.g_out.reshape(n, 3), one.g_out.reshape(n, 3), rtol=1e-13)
+    assert np.allclose(np.diagonal(three.dg_out, axis1=1, axis2=2), one.dg_out.reshape(n, 3), rtol=1e-13)
+    assert np.count_nonzero(three.dg_out - np.einsum("nt,ts->nts", np.diagonal(three.dg_out, axis1=1, axis2=2),
+                                                      np.eye(3))) == 0
+
+
+def _product_link_reference(noise: float, n: int = 48) -> float:
+    """α_c of y = z₁z₂ + √Δ η by tensor Gauss–Hermite sums written out here: the posterior
+    moments of z given y on an n×n grid, the outer average over (z, η) on an n×n×16 grid."""
+    x, w = hermegauss(n)
+    w = w / w.sum()
+    z1, z2 = np.meshgrid(x, x, indexing="ij")
+    zz, wz = np.stack([z1.ravel(), z2.ravel()], axis=1), np.outer(w, w).ravel()
+    e, we = hermegauss(16)
+    we = we / we.sum()
+    y = (zz[:, 0] * zz[:, 1])[:, None] + np.sqrt(noise) * e[None, :]          # outer nodes
+    y, wy = y.ravel(), (wz[:, None] * we[None, :]).ravel()
+    lik = np.exp(-(y[:, None] - zz[:, 0] * zz[:, 1]) ** 2 / (2 * noise)) * wz      # (outer, inner)
+    post = lik / lik.sum(axis=1, keepdims=True)
+    mean = post @ zz
+    second = np.einsum("ok,ka,kb->oab", post, zz, zz)
+    J = second - np.einsum("oa,ob->oab", mean, mean) - np.eye(2)
+    F = np.einsum("o,oac,obd->abcd", wy, J, J).reshape(4, 4)
+    return 1 / np.abs(np.linalg.eigvals(F)).max()
+
+
+def test_two_index_product_link_against_independent_quadrature():
+    noise = 0.5
+    reference = _product_link_reference(noise)
+    th = weak_recovery_threshold(LinkModel("th_product"), noise=noise)
+    assert abs(th.alpha - reference) < 4 * th.stderr + 2e-4 * reference
+    assert th.stderr < 1e-3 * th.alpha
+
+
+@pytest.mark.parametrize("factor, grows", [(0.85, False), (1.15, True)])
+def test_phase_retrieval_state_evolution_decays_below_and_grows_above(factor, grows):
+    model = LinkModel("th_phase_retrieval_T1")
+    alpha_c = weak_recovery_threshold(model, channel=CLOSED).alpha
+    q0 = 1e-3
+    r = state_evolution(model, factor * alpha_c, start=[[q0]], max_iter=8, samples=1 << 14)
+    q = r.trajectory[:, 0, 0]
+    assert (q[-1] > 2 * q0) if grows else (q[-1] < q0 / 2)
+
+
+@pytest.fixture(scope="module")
+def two_layer_staircase():
+    return staircase(TWO_LAYER, samples=8192, rtol=1e-2)
+
+
+def test_two_layer_attention_learns_the_last_layer_first(two_layer_staircase):
+    first, second = two_layer_staircase
+    assert two_layer_staircase.complete
+    assert first.indices == [1] and second.indices == [0]
+    assert first.direction[1, 1] > 0.999 and second.direction[0, 0] > 0.999
+    assert first.alpha < second.alpha
+    assert second.overlap[1, 1] > 0.5 and second.overlap[0, 0] == 0
+
+
+def test_two_layer_operator_is_block_diagonal_in_the_layers():
+    """The speed-up the spec allows (evenness per layer): F maps diag to diag and the layer
+    blocks do not mix; checked, not assumed, by the code."""
+    from smi_core.state_evolution import _Problem
+    from smi_core.thresholds import _evaluate
+    problem = _Problem(TWO_LAYER, None, 0.0, 4096, "sobol", np.random.default_rng(0), None, xi=False)
+    F = _evaluate(problem, np.zeros((2, 2))).F
+    mean, err = F.mean(axis=0), F.std(axis=0, ddof=1) / np.sqrt(len(F))
+    cross = [(0, 0, 1, 1), (1, 1, 0, 0), (0, 0, 0, 1), (1, 1, 0, 1), (0, 1, 0, 0), (0, 1, 1, 1)]
+    for idx in cross:
+        assert abs(mean[idx]) < 4 * err[idx] + 1e-12 * mean[1, 1, 1, 1]
+    assert mean[1, 1, 1, 1] > 10 * err[1, 1, 1, 1] and mean[0, 0, 0, 0] > 10 * err[0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("factor, grows", [(0.8, False), (1.2, True)])
+def test_first_layer_threshold_is_where_state_evolution_gains_it(two_layer_staircase, factor, grows):
+    """From the branch point q* = diag(0, s*) plus a small first-layer overlap, state evolution
+    below α₁ loses the first layer again, above it gains it."""
+    second = two_layer_staircase[1]
+    q0 = second.overlap + np.diag([1e-3, 0])
+    r = state_evolution(TWO_LAYER, factor * second.alpha, start=q0, max_iter=10, samples=4096, tol=1e-9)
+    q11 = r.trajectory[:, 0, 0]
+    assert (q11[-1] > 2e-3) if grows else (q11[-1] < 5e-4)
+
+
+def test_phase_diagram_last_layer_first_for_every_skip():
+    diagram = phase_diagram(TWO_LAYER, [0.3, 2.0], samples=4096, rtol=2e-2, progress=False)
+    assert diagram.alpha.shape == (2, 2)
+    assert (diagram.alpha[:, 0] < diagram.alpha[:, 1]).all()
+    assert all(ix == [[1], [0]] for ix in diagram.indices)
+    assert json.dumps(diagram.to_dict())
+
+
+@pytest.mark.slow
+def test_phase_diagram_full_grid():
+    diagram = phase_diagram(TWO_LAYER, np.geomspace(0.01, 4, 16), samples=8192, rtol=1e-2, progress=False)
+    assert (diagram.alpha[:, 0] < diagram.alpha[:, 1]).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"samples": 3}, "samples"), ({"rtol": 0}, "rtol"), ({"max_samples": 100}, "max_samples"),
+    ({"sampler": "grid"}, "sampler"), ({"noise": -1.0}, "noise")])
+def test_bad_input_is_a_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        weak_recovery_threshold(LinkModel("th_phase_retrieval_T1"), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"alpha_max": 0}, "alpha_max"), ({"grid": 1}, "grid")])
+def test_bad_staircase_input_is_a_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        staircase(TWO_LAYER, **kwargs)
+
+
+@pytest.mark.parametrize("family, skips, match", [(TWO_LAYER, [], "skips"), (TWO_LAYER, [-1.0], "skips"),
+                                                  (3.0, [1.0], "model_family")])
+def test_bad_phase_diagram_input_is_a_value_error(family, skips, match):
+    with pytest.raises(ValueError, match=match):
+        phase_diagram(family, skips)
