@@ -47,10 +47,10 @@ def add_commands(sub) -> None:
 def _runs(a, train, step: str) -> tuple[dict, list]:
     """Teacher, data and ``train(model, teacher, X, y, rng)`` per seed; the averaged table."""
     from tqdm import tqdm
-    from .data import make_teacher, sample
+    from .data import check_count, make_teacher, sample
     validate.positive("alpha", a.alpha)
-    if a.seeds < 1:
-        raise ValueError(f"--seeds must be ≥ 1, got {a.seeds}")
+    check_count("seeds", a.seeds)
+    check_count("dim", a.dim)
     model = build_model(a)
     n = int(round(a.alpha * a.dim))
     if n < 1:

@@ -24,7 +24,8 @@ class Teacher:
         return self.W.shape[1]
 
 
-def _count(name: str, value) -> int:
+def check_count(name: str, value) -> int:
+    """``value`` as an int ≥ 1, else ValueError naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be an integer ≥ 1, got {value!r}")
     return int(value)
@@ -32,14 +33,14 @@ def _count(name: str, value) -> int:
 
 def make_teacher(model, dim: int, rng: np.random.Generator, noise: float | None = None) -> Teacher:
     """A teacher of ``model`` in dimension D = ``dim``: W with iid N(0, 1) entries."""
-    dim = _count("dim", dim)
+    dim = check_count("dim", dim)
     noise = None if noise is None else validate.positive("noise", noise)
     return Teacher(model, rng.standard_normal((model.indices, dim)), noise)
 
 
 def sample(teacher: Teacher, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """n samples: X (n, D, T) iid N(0, 1) and y = g(W X / √D) (+ √Δ ε), shape (n, *output_shape)."""
-    n = _count("n", n)
+    n = check_count("n", n)
     model = teacher.model
     X = rng.standard_normal((n, teacher.dim, model.tokens))
     y = model.forward(project(teacher.W, X))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import validate
-from .data import Monitor, Teacher, back, project, sample
+from .data import Monitor, Teacher, back, check_count, project, sample
 from .state_evolution import V_MIN, _channel
 
 
@@ -114,8 +114,7 @@ def gamp(model, X, y, *, teacher: Teacher | None = None, noise: float | None = N
     validate.positive("tol", tol)
     if not 0 < init < 1:
         raise ValueError(f"init must be in (0, 1), got {init}")
-    if not isinstance(max_iter, (int, np.integer)) or max_iter < 1:
-        raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}")
+    check_count("max_iter", max_iter)
     W = check_teacher(model, teacher, D)
     if side_info > 0 and W is None:
         raise ValueError("side_info > 0 needs the teacher (S = √λ W + noise)")
@@ -126,14 +125,13 @@ def gamp(model, X, y, *, teacher: Teacher | None = None, noise: float | None = N
         chan = channel
     else:
         chan = _channel(model, None if noise is None else validate.positive("noise", noise), channel)
-    monitor = Monitor(model, W, held_out(model, teacher, test, test_samples, rng), rng=rng)
-
     if side_info > 0:
         field = np.sqrt(side_info) * (np.sqrt(side_info) * W + rng.standard_normal(W.shape))
         W_hat, C_hat = field / (1 + side_info), np.eye(R) / (1 + side_info)
     else:
         field = 0.0
         W_hat, C_hat = np.sqrt(init) * rng.standard_normal((R, D)), (1 - init) * np.eye(R)
+    monitor = Monitor(model, W, held_out(model, teacher, test, test_samples, rng), rng=rng)   # after the start
     g = np.zeros((n, R, T))
     monitor.record(W_hat, C_hat, change=np.nan)
     from tqdm import tqdm

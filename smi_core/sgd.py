@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import validate
-from .data import Monitor, Teacher, back, project
+from .data import Monitor, Teacher, back, check_count, project
 from .gamp import check_data, check_teacher, held_out
 
 
@@ -62,8 +62,7 @@ def sgd(model, X, y, *, teacher: Teacher | None = None, lr: float = 0.05, weight
     validate.positive("weight_decay", weight_decay, allow_zero=True)
     validate.positive("init", init)
     for name, value in (("batch_size", batch_size), ("reuse", reuse), ("epochs", epochs)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_count(name, value)
     W_star = check_teacher(model, teacher, D)
     rng = np.random.default_rng(rng)
     monitor = Monitor(model, W_star, held_out(model, teacher, test, test_samples, rng), rng=rng)
