@@ -10,11 +10,12 @@ import time
 import numpy as np
 
 from . import cli_gamp
+from . import cli_thresholds
 from .cliutil import alphas, build_model, model_args, table, write_csv
 from .kernels import pregenerated
 
 
-def cmd_demo(a) -> dict:
+def cmd_forward(a) -> dict:
     """Forward map, Jacobian and channel reparametrisation of a deep-attention model on random
     indices Z ~ N(0, I): throughput, and the round trip y → ±h_L."""
     model = build_model(a)
@@ -104,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="smi", description="Fundamental limits of learning deep "
                                      "attention networks and sequence multi-index models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo = sub.add_parser("demo", help="forward map, Jacobian and reparametrisation of a deep-attention model")
-    model_args(demo)
-    demo.add_argument("--samples", type=int, default=200_000, help="number of random samples")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.set_defaults(func=cmd_demo)
+    cli_thresholds.add_commands(sub)
+    fwd = sub.add_parser("forward", help="throughput of the forward map and Jacobian, and the "
+                                         "reparametrisation's round trip y → ±h_L")
+    model_args(fwd)
+    fwd.add_argument("--samples", type=int, default=200_000, help="number of random samples")
+    fwd.add_argument("--seed", type=int, default=0)
+    fwd.set_defaults(func=cmd_forward)
     kern = sub.add_parser("kernels", help="list the pre-generated compiled kernels")
     kern.set_defaults(func=cmd_kernels)
     se = sub.add_parser("se", help="state evolution: learning curves over a grid of α")

@@ -137,18 +137,21 @@ def _problem(model, noise, samples, rng, sampler, channel, xi=True) -> _Problem:
     return _Problem(model, noise, 0.0, samples, sampler, rng, channel, xi)
 
 
-def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples):
+def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress=False):
     """α_c = 1/ρ(F) at q = 0 from ``samples`` draws, doubled (fresh draws: a Sobol set gains
     from being large) until the standard error of α_c is below rtol·α_c or would pass
     ``max_samples``."""
-    while True:
-        problem = _problem(model, noise, samples, rng, sampler, channel, xi=False)
-        F_blocks = _evaluate(problem, np.zeros((problem.R, problem.R))).F
-        rho, M = perron(F_blocks.mean(axis=0))
-        stderr = _rayleigh(F_blocks, M).std(ddof=1) / np.sqrt(BLOCKS) / rho ** 2
-        if stderr <= rtol / rho or 2 * samples > max_samples:
-            break
-        samples *= 2
+    with _progress(progress, "step 1") as bar:
+        while True:
+            problem = _problem(model, noise, samples, rng, sampler, channel, xi=False)
+            F_blocks = _evaluate(problem, np.zeros((problem.R, problem.R))).F
+            rho, M = perron(F_blocks.mean(axis=0))
+            stderr = _rayleigh(F_blocks, M).std(ddof=1) / np.sqrt(BLOCKS) / rho ** 2
+            bar.set_postfix(alpha=f"{1 / rho:.5g}", stderr=f"{stderr:.2g}", samples=problem.draws.n)
+            bar.update(1)
+            if stderr <= rtol / rho or 2 * samples > max_samples:
+                break
+            samples *= 2
     P = _subspace(M)
     return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
                      overlap=np.zeros_like(M), samples=problem.draws.n)
@@ -166,20 +169,23 @@ def _check(samples, rtol, max_samples, sampler):
 
 def weak_recovery_threshold(model, *, noise: float | None = None, samples: int = 1 << 15,
                             rtol: float = 1e-3, max_samples: int = 1 << 18, seed=0,
-                            sampler: str = "sobol", channel: dict | None = None) -> Threshold:
+                            sampler: str = "sobol", channel: dict | None = None,
+                            progress: bool = False) -> Threshold:
     """α_c = 1/ρ(F) at q = 0 (module docstring), with its standard error and the leading PSD
     direction.  ``samples`` draws of Z (and of the output noise, ``noise`` = Δ), doubled until
     the standard error is below ``rtol``·α_c or would pass ``max_samples``; ``sampler``
-    "sobol" (scrambled, the default) or "mc"; ``channel``: options for ``model.channel``."""
+    "sobol" (scrambled, the default) or "mc"; ``channel``: options for ``model.channel``;
+    ``progress`` shows a bar."""
     _check(samples, rtol, max_samples, sampler)
-    return _first_step(model, noise, samples, np.random.default_rng(seed), sampler, channel, rtol, max_samples)
+    return _first_step(model, noise, samples, np.random.default_rng(seed), sampler, channel, rtol,
+                       max_samples, progress)
 
 
 class _Branch:
     """The fixed-point branch q* = s uuᵀ on a learned direction u and the map on P = I − uuᵀ."""
 
-    def __init__(self, problem: _Problem, u: np.ndarray):
-        self.problem, self.u = problem, u
+    def __init__(self, problem: _Problem, u: np.ndarray, bar):
+        self.problem, self.u, self.bar = problem, u, bar
         self.P = np.eye(len(u)) - np.outer(u, u)
         self.cache: dict[float, tuple] = {}
 
@@ -192,12 +198,14 @@ class _Branch:
             alpha = s / (1 - s) / (self.u @ ev.gg.mean(axis=0) @ self.u)
             rho, M = perron(ev.F.mean(axis=0), self.P)
             self.cache[x] = (alpha, alpha * rho - 1, M, alpha_b, alpha_b * _rayleigh(ev.F, M) - 1)
+            self.bar.set_postfix(alpha=f"{alpha:.4g}", q=f"{s:.6f}", h=f"{alpha * rho - 1:+.3f}")
+            self.bar.update(1)
         return self.cache[x]
 
 
-def _next_step(problem, u, alpha_prev, alpha_max, rtol, grid) -> Threshold | str:
+def _next_step(problem, u, alpha_prev, alpha_max, rtol, grid, bar) -> Threshold | str:
     """The next threshold along the branch on span(u), or the reason there is none."""
-    branch = _Branch(problem, u)
+    branch = _Branch(problem, u, bar)
     xs = np.concatenate([[X_MAX / (64 * grid)], np.linspace(X_MAX / grid, X_MAX, grid)])
     top, lo = alpha_prev, None
     for x in xs:
@@ -251,11 +259,12 @@ def _threshold_at(branch: _Branch, pair: tuple[float, float]) -> Threshold:
 
 def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, samples: int = 1 << 15,
               rtol: float = 1e-3, max_samples: int = 1 << 18, grid: int = 10, seed=0,
-              sampler: str = "sobol", channel: dict | None = None) -> Staircase:
+              sampler: str = "sobol", channel: dict | None = None, progress: bool = False) -> Staircase:
     """The thresholds at which the subspaces of the weights start to be learned, in order
     (module docstring): the first at q = 0 as in weak_recovery_threshold, then along the
     fixed-point branch on the learned direction.  ``grid`` values of s scan the branch before
-    the crossing is refined to ``rtol``; later steps use ``samples`` draws.  A branch on a
+    the crossing is refined to ``rtol``; later steps use ``samples`` draws; ``progress`` shows
+    a bar per step.  A branch on a
     learned subspace of dimension > 1 with directions still unlearned is not followed (the
     result says so in ``reason``)."""
     _check(samples, rtol, max_samples, sampler)
@@ -263,7 +272,7 @@ def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, sam
     if not isinstance(grid, (int, np.integer)) or grid < 2:
         raise ValueError(f"grid must be an integer ≥ 2, got {grid!r}")
     rng = np.random.default_rng(seed)
-    first = _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples)
+    first = _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress)
     steps, learned = [first], first.subspace
     R = len(learned)
     problem = None
@@ -272,12 +281,18 @@ def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, sam
             return Staircase(steps, False, "the branch on a learned subspace of dimension > 1 is not followed")
         problem = problem or _problem(model, noise, samples, rng, sampler, channel)
         u = np.linalg.eigh(learned)[1][:, -1]
-        step = _next_step(problem, u, steps[-1].alpha, alpha_max, rtol, grid)
+        with _progress(progress, f"step {len(steps) + 1}") as bar:
+            step = _next_step(problem, u, steps[-1].alpha, alpha_max, rtol, grid, bar)
         if isinstance(step, str):
             return Staircase(steps, False, step)
         steps.append(step)
         learned = _subspace(learned + step.subspace)
     return Staircase(steps, True)
+
+
+def _progress(enabled: bool, what: str):
+    from tqdm import tqdm
+    return tqdm(disable=not enabled, desc=what, unit="eval", leave=False)
 
 
 @dataclass
@@ -309,7 +324,7 @@ def phase_diagram(model_family, skips, *, progress: bool = True, **options) -> P
     else:
         raise ValueError("model_family must be a DeepAttention model or a function skip -> model")
     from tqdm import tqdm
-    stairs = [staircase(make(float(c)), **options)
+    stairs = [staircase(make(float(c)), **options, progress=False)
               for c in tqdm(skips, disable=not progress, unit="skip", leave=False)]
     width = max(len(s) for s in stairs)
     alpha, stderr = np.full((len(skips), width), np.nan), np.full((len(skips), width), np.nan)

@@ -167,3 +167,32 @@ def test_bad_staircase_input_is_a_value_error(kwargs, match):
 def test_bad_phase_diagram_input_is_a_value_error(family, skips, match):
     with pytest.raises(ValueError, match=match):
         phase_diagram(family, skips)
+
+
+def test_cli_thresholds_json_csv_and_figure(tmp_path, capsys):
+    args = ["thresholds", "--samples", "4096", "--rtol", "2e-2", "--quiet", "--csv", str(tmp_path / "t.csv"),
+            "--plot", str(tmp_path / "t.png"), "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["indices"] for s in out["steps"]] == [[1], [0]] and out["complete"]
+    assert out["steps"][0]["alpha"] < out["steps"][1]["alpha"]
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert (tmp_path / "t.csv").read_text().splitlines()[0] == "step,alpha,stderr,layers,samples"
+
+
+def test_cli_phase_diagram_table_and_figure(tmp_path, capsys):
+    args = ["phase-diagram", "--skips", "0.5,1.5", "--samples", "2048", "--rtol", "5e-2", "--quiet",
+            "--csv", str(tmp_path / "p.csv"), "--plot", str(tmp_path / "p.png")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "alpha_1" in out and "alpha_2" in out
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, match", [(["phase-diagram", "--spacing", "cubic"], "spacing"),
+                                         (["phase-diagram", "--skips", "0:1:3"], "skips"),
+                                         (["thresholds", "--rtol", "-1"], "rtol")])
+def test_cli_bad_input_is_one_line(args, match, capsys):
+    assert main(args + ["--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
