@@ -1,0 +1,8 @@
+"""Attention-indexed models in the extensive-width regime (spec AIM.md)."""
+from .channels import make_channel
+from .closed_forms import aim_perfect_recovery, aim_small_width, aim_weak_recovery
+from .free_convolution import FreeConvolution, aim_free_convolution
+from .state_evolution import AIMSEResult, aim_state_evolution
+
+__all__ = ["AIMSEResult", "FreeConvolution", "aim_free_convolution", "aim_perfect_recovery",
+           "aim_small_width", "aim_state_evolution", "aim_weak_recovery", "make_channel"]
