@@ -71,7 +71,7 @@ class LinearChannel:
         if self.null.size:
             N = self.null
             M = (N * C_inv) @ N.T
-            t = np.linalg.solve(M, (N * C_inv) @ r.T).T      # minimises (r + tN)ᵀC⁻¹(r + tN)
+            t = -np.linalg.solve(M, (N * C_inv) @ r.T).T     # minimises (r + tN)ᵀC⁻¹(r + tN)
             r = r + t @ N
         return r * C_inv
 

@@ -2,7 +2,7 @@
 
     q̂ = 2α·fisher(q, V),    V ← mmse(1/q̂)    (Q0 = 1 + ρ; no data: q = ρ, V = 1),
 
-damped as V ← (1 - damping)·new + damping·V.  The map is increasing in V, so from the uninformed
+damped as V ← (1 - damping)·new + damping·V, until a step changes V by at most tol·V.  The map is increasing in V, so from the uninformed
 start the iterates decrease to its largest fixed point; every three steps an Aitken extrapolation
 is tried and kept when the map does not rise above it (still above the fixed point), or else the
 fixed point is bracketed and solved by Brent's method.  V below `floor` counts as 0 (perfect
@@ -79,7 +79,7 @@ def _solve(f: _Map, V: float, damping: float, tol: float, max_iter: int, floor: 
         if new <= floor:
             traj.append(0.0)
             return 0.0, traj, it, True
-        if abs(new - V) <= tol:
+        if abs(new - V) <= tol * V:
             return new, traj, it, True
         V = new
         if it % 3 == 0:
@@ -101,7 +101,7 @@ def _aitken(f: _Map, traj: list, floor: float) -> float:
 
 
 def aim_state_evolution(channel: str = "softmax", tokens: int = 2, rho: float = 0.5, alpha=0.1,
-                        beta: float = 1.0, damping: float = 0.0, tol: float = 1e-11,
+                        beta: float = 1.0, damping: float = 0.0, tol: float = 1e-10,
                         max_iter: int = 2000, floor: float = 1e-13, progress=None) -> AIMSEResult:
     """Fixed points of AIM state evolution from the uninformed start, for one α or a grid."""
     rho = check_rho(rho)
