@@ -11,6 +11,7 @@ import numpy as np
 
 from . import cli_gamp
 from . import cli_thresholds
+from . import cli_aim
 from .cliutil import alphas, build_model, model_args, table, write_csv
 from .kernels import pregenerated
 
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--quiet", action="store_true", help="no progress bar")
     se.set_defaults(func=cmd_se)
     cli_gamp.add_commands(sub)
+    cli_aim.add_commands(sub)
     for p in sub.choices.values():            # every sub-command, here or from another module, has --json
         p.add_argument("--json", action="store_true", help="print the result as JSON")
     regen = sub.add_parser("regenerate-kernels", help="rewrite generated/ from derive/ (see --help)",
