@@ -1,6 +1,8 @@
 """smi: fundamental limits of learning sequence multi-index models and deep attention."""
 from derive.attention import index_symbols
 
+from .aim import (aim_data, aim_free_convolution, aim_gamp, aim_gd, aim_perfect_recovery,
+                  aim_small_width, aim_state_evolution, aim_weak_recovery)
 from .data import Teacher, make_teacher, sample
 from .gamp import GAMPResult, gamp
 from .models import DeepAttention, LinkModel, Mixing, Reparametrisation, SMIModel, register_link
@@ -10,5 +12,6 @@ from .sgd import SGDResult, sgd
 
 __all__ = ["DeepAttention", "ExactEvaluation", "GAMPResult", "LargeDepthSeries", "LinkModel",
            "Mixing", "Reparametrisation", "SEResult", "SGDResult", "SMIModel", "SeriesEvaluation",
-           "Teacher", "free_entropy", "gamp", "index_symbols", "learning_curve", "make_teacher",
+           "Teacher", "aim_data", "aim_free_convolution", "aim_gamp", "aim_gd", "aim_perfect_recovery",
+           "aim_small_width", "aim_state_evolution", "aim_weak_recovery", "free_entropy", "gamp", "index_symbols", "learning_curve", "make_teacher",
            "register_link", "sample", "sgd", "state_evolution"]
