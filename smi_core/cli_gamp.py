@@ -2,6 +2,7 @@
 against iterations (GAMP, spec §7) or epochs (SGD), averaged over seeds."""
 from __future__ import annotations
 
+import textwrap
 import time
 
 import numpy as np
@@ -99,7 +100,7 @@ def _report(a, result: dict, rows: list[dict], step: str, lines=(), levels=None)
     if a.plot:
         _plot(rows, step, a.plot, result["model"] + f", D = {a.dim}, α = {a.alpha}", levels)
     if not a.json:
-        every = max(1, len(rows) // 25)
+        every = -(-len(rows) // 25)             # at most ≈ 25 rows on screen; the CSV has all
         print(f"{result['model']}, D = {a.dim}, α = {a.alpha} (n = {result['n']}), {a.seeds} seed(s)"
               + (f", noise Δ = {a.noise}" if a.noise else ""))
         print(table([r for i, r in enumerate(rows) if i % every == 0 or i == len(rows) - 1]))
@@ -149,7 +150,7 @@ def cmd_sgd(a) -> dict:
 
 def _plot(rows: list[dict], step: str, path: str, title: str, levels=None) -> None:
     """Per-layer cosine similarity against ``step``: mean over seeds, ±1 standard deviation
-    shaded; with ``levels`` (√q_ℓℓ of state evolution, the cosine it predicts) dashed."""
+    shaded (clipped to [0, 1]); with ``levels`` (√q_ℓℓ of state evolution, the cosine it predicts) dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,11 +162,11 @@ def _plot(rows: list[dict], step: str, path: str, title: str, levels=None) -> No
         mean = np.array([r[f"cos_{l}"] for r in rows])
         sd = np.array([r[f"cos_{l}_sd"] for r in rows])
         line, = ax.plot(x, mean, label=f"layer {l}")
-        ax.fill_between(x, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+        ax.fill_between(x, np.clip(mean - sd, 0, 1), np.clip(mean + sd, 0, 1), color=line.get_color(), alpha=0.2)
         if levels is not None:
             ax.axhline(levels[l - 1], ls="--", lw=1, color=line.get_color())
     ax.set(xlabel=step, ylabel="cosine similarity with the teacher", ylim=(-0.02, 1.02))
-    ax.set_title(title, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=8)
     if levels is not None:
         ax.plot([], [], ls="--", color="grey", label="state evolution √q")
     ax.legend()
