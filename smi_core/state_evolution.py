@@ -80,11 +80,13 @@ class SEResult:
 
 class _Draws:
     """The fixed standard-normal draws of one state evolution: ξ, ζ (n, R, T), the output
-    noise η (n, size(y)), in BLOCKS equal blocks.  Without ``xi`` (for q = 0 only) ξ = 0 and
-    ζ takes the first coordinates of the Sobol points."""
+    noise η (n, size(y)), in BLOCKS equal blocks.  Without ``xi`` (for q = 0 only) ξ = 0 and ζ
+    takes the first coordinates of the Sobol points.  With ``spread`` = σ > 1 all d coordinates
+    are drawn wider, σx, with importance weights σ^d e^{−(σ² − 1)|x|²/2}, so that the tails of
+    polynomially growing integrands are sampled."""
 
     def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
-                 rng: np.random.Generator, xi: bool = True):
+                 rng: np.random.Generator, xi: bool = True, spread: float = 1.0):
         per = -(-samples // BLOCKS)
         k = R * T if xi else 0
         dims = k + R * T + (n_out if noisy else 0)
@@ -96,12 +98,18 @@ class _Draws:
             x = rng.standard_normal((per * BLOCKS, dims))
         n = len(x)
         self.n, self.per = n, per
+        self.weight = None
+        if spread != 1.0:
+            self.weight = spread ** dims * np.exp(-0.5 * (spread ** 2 - 1) * (x ** 2).sum(axis=1))
+            x = spread * x
         self.xi = x[:, :k].reshape(n, R, T) if xi else np.zeros((n, R, T))
         self.zeta = x[:, k:k + R * T].reshape(n, R, T)
         self.eta = x[:, k + R * T:] if noisy else None
 
     def blocks(self, values: np.ndarray) -> np.ndarray:
-        """The BLOCKS block means of per-sample ``values`` (n, ...)."""
+        """The BLOCKS block means of per-sample ``values`` (n, ...), importance-weighted."""
+        if self.weight is not None:
+            values = values * self.weight.reshape(-1, *([1] * (values.ndim - 1)))
         return values.reshape(BLOCKS, self.per, *values.shape[1:]).mean(axis=1)
 
     def mean(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +137,8 @@ def _project(q: np.ndarray) -> np.ndarray:
 class _Problem:
     """Model, channel, noise, side information and draws: evaluates the SE map at q."""
 
-    def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options, xi=True):
+    def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options, xi=True,
+                 spread=1.0):
         self.model, self.R, self.T = model, model.indices, model.tokens
         self.noise = None if noise is None else validate.positive("noise", noise)
         self.side_info = validate.positive("side_info", side_info, allow_zero=True)
@@ -139,7 +148,7 @@ class _Problem:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.channel = _channel(model, self.noise, channel_options)
         self.n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
-        self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng, xi)
+        self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng, xi, spread)
         self.rng = rng
 
     def outputs(self, Z: np.ndarray) -> np.ndarray:
