@@ -21,8 +21,10 @@ h(s) = α(s) ρ(P F_{q*} P) − 1 crosses zero.  s is scanned on a grid of x = �
 crossing refined by regula falsi (the Illinois variant) in x; every evaluation uses the same
 draws, so h is a smooth function of x.
 
-Error bars come from BLOCKS independent blocks of draws (independently scrambled Sobol sets or
-Monte Carlo): per block, the Rayleigh quotient ⟨M*, F_b(M*)⟩ (first order in F_b − F, F being
+Expectations: at q = 0 with (Z, noise) of dimension ≤ 3, a rotated tensor Gauss–Hermite rule
+(error: the difference to a coarser rule); otherwise BLOCKS independent blocks of draws
+(independently scrambled Sobol sets or Monte Carlo), widened with importance weights.  Error
+bars: per block, the Rayleigh quotient ⟨M*, F_b(M*)⟩ (first order in F_b − F, F being
 self-adjoint) and, at a later step, the block's own α_b(s) and h_b(s) interpolated to its root
 — so the error of the branch q*(α) is included.
 """
@@ -167,44 +169,48 @@ class _Rule:
         return np.tensordot(self.w, values, axes=1)[None]
 
 
-def _deterministic_step(problem: _Problem, nodes: int) -> tuple[float, float, np.ndarray, int]:
-    """ρ(F), the standard error of α_c = 1/ρ as the difference to the rule with ≈ 3/4 of the
-    nodes, M*, and the node count."""
-    values = []
-    for n in (nodes, 2 * (3 * nodes // 8)):       # even counts: no node at the origin
-        problem.draws = _Rule(n, problem.R, problem.T, problem.n_out, problem.noise is not None)
-        values.append(_evaluate(problem, np.zeros((problem.R, problem.R))).F[0])
-    rho, M = perron(values[0])
-    return rho, abs(1 / rho - 1 / _rayleigh(values[1][None], M)[0]), M, nodes ** _rule_dims(problem)
-
-
 def _rule_dims(problem: _Problem) -> int:
     return problem.R * problem.T + (problem.n_out if problem.noise is not None else 0)
 
 
-def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress=False):
-    """α_c = 1/ρ(F) at q = 0: by the Gauss–Hermite rule when the dimension of (Z, noise) is at
-    most 3 and ``sampler`` is "auto", else from ``samples`` draws, doubled (fresh draws: a Sobol
-    set gains from being large) until the standard error of α_c is below rtol·α_c or would pass
-    ``max_samples``."""
-    problem = _problem(model, noise, 2 * BLOCKS, rng, "sobol", channel, xi=False)
-    if sampler == "auto" and _rule_dims(problem) in GH_NODES:
-        rho, stderr, M, used = _deterministic_step(problem, GH_NODES[_rule_dims(problem)])
-        P = _subspace(M)
-        return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
-                         overlap=np.zeros_like(M), samples=used)
-    sampler = "sobol" if sampler == "auto" else sampler
+def _deterministic_F(problem: _Problem) -> tuple[float, float, np.ndarray]:
+    """ρ(F) and M* from the Gauss–Hermite rule; the standard error of α_c = 1/ρ is the
+    difference to the rule with ≈ 3/4 of the nodes."""
+    nodes, values = GH_NODES[_rule_dims(problem)], []
+    for n in (nodes, 2 * (3 * nodes // 8)):       # even counts: no node at the origin
+        problem.draws = _Rule(n, problem.R, problem.T, problem.n_out, problem.noise is not None)
+        values.append(_evaluate(problem, np.zeros((problem.R, problem.R))).F[0])
+    rho, M = perron(values[0])
+    return rho, abs(1 / rho - 1 / _rayleigh(values[1][None], M)[0]), M
+
+
+def _sampled_F(samples, rtol, max_samples, progress, make):
+    """ρ(F), the standard error of α_c, M* and the problem from ``samples`` draws (problem =
+    make(samples)), doubled (fresh draws: a Sobol set gains from being large) until the
+    standard error is below rtol·α_c or would pass ``max_samples``."""
     with _progress(progress, "step 1") as bar:
         while True:
-            problem = _problem(model, noise, samples, rng, sampler, channel, xi=False)
+            problem = make(samples)
             F_blocks = _evaluate(problem, np.zeros((problem.R, problem.R))).F
             rho, M = perron(F_blocks.mean(axis=0))
             stderr = _rayleigh(F_blocks, M).std(ddof=1) / np.sqrt(BLOCKS) / rho ** 2
             bar.set_postfix(alpha=f"{1 / rho:.5g}", stderr=f"{stderr:.2g}", samples=problem.draws.n)
             bar.update(1)
             if stderr <= rtol / rho or 2 * samples > max_samples:
-                break
+                return rho, stderr, M, problem
             samples *= 2
+
+
+def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress=False):
+    """α_c = 1/ρ(F) at q = 0: by the Gauss–Hermite rule when (Z, noise) has at most 3
+    dimensions and ``sampler`` is "auto", else by sampling (_sampled_F)."""
+    kind = "sobol" if sampler == "auto" else sampler
+    make = lambda n: _problem(model, noise, n, rng, kind, channel, xi=False)
+    problem = make(2 * BLOCKS)
+    if sampler == "auto" and _rule_dims(problem) in GH_NODES:
+        rho, stderr, M = _deterministic_F(problem)
+    else:
+        rho, stderr, M, problem = _sampled_F(samples, rtol, max_samples, progress, make)
     P = _subspace(M)
     return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
                      overlap=np.zeros_like(M), samples=problem.draws.n)
