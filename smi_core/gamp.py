@@ -97,7 +97,7 @@ def _clip(A: np.ndarray) -> np.ndarray:
 def gamp(model, X, y, *, teacher: Teacher | None = None, noise: float | None = None,
          side_info: float = 0.0, damping: float = 0.0, max_iter: int = 100, tol: float = 1e-5,
          init: float = 1e-3, rng=None, test=None, test_samples: int = 1000,
-         channel: dict | None = None, progress: bool = False) -> GAMPResult:
+         channel=None, progress: bool = False) -> GAMPResult:
     """Run GAMP (module docstring) on X (n, D, T), y (n, *output_shape) until the RMS change of
     Ŵ's entries is below ``tol`` or ``max_iter`` iterations.  ``noise`` = Δ selects the noisy
     channel P(y|Z) = N(y; g(Z), Δ I) (default: the model's noiseless channel); ``side_info`` = λ
@@ -148,6 +148,7 @@ def gamp(model, X, y, *, teacher: Teacher | None = None, noise: float | None = N
         g = m.g_out
         A = _clip(-np.einsum("natbt->ab", m.dg_out.reshape(n, R, T, R, T)) / D)
         C_new = np.linalg.inv(A + (1 + side_info) * np.eye(R))
+        C_new = 0.5 * (C_new + C_new.T)
         W_new = C_new @ (back(g, X) + A @ W_hat + field)
         W_new = damping * W_hat + (1 - damping) * W_new
         change = float(np.sqrt(np.mean((W_new - W_hat) ** 2)))

@@ -50,8 +50,8 @@ def _residual_gradient(model, W, X, y):
     return 0.5 * (r ** 2).sum(axis=1), G
 
 
-def sgd(model, X, y, *, teacher: Teacher | None = None, lr: float = 0.05, weight_decay: float = 0.0,
-        batch_size: int = 100, reuse: int = 1, epochs: int = 50, init: float = 1e-2, rng=None,
+def sgd(model, X, y, *, teacher: Teacher | None = None, lr: float = 0.1, weight_decay: float = 0.0,
+        batch_size: int = 100, reuse: int = 2, epochs: int = 40, init: float = 1e-2, rng=None,
         test=None, test_samples: int = 1000, progress: bool = False) -> SGDResult:
     """Train a student (module docstring) on X (n, D, T), y (n, *output_shape); ``rng`` a seed or
     Generator (start, order, test set); ``test`` = (X_test, y_test), else ``test_samples`` fresh
