@@ -120,6 +120,11 @@ class Channel:
 
     model_is_points = False
 
+    def representable(self, y) -> np.ndarray:
+        """(n,) mask of the outputs this route accepts (here: finite)."""
+        y = np.asarray(y, dtype=np.float64)
+        return np.isfinite(y.reshape(len(y), -1)).all(axis=1)
+
     def _polar_samples(self, omega, V):
         """Samples integrated by the polar rule (see ReparamChannel); none by default."""
         return np.zeros(len(omega), dtype=bool)
@@ -333,6 +338,12 @@ class ReparamChannel(Channel):
         log_z, mean, second = fine
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], error
 
+    def representable(self, y) -> np.ndarray:
+        """(n,) mask: softmax outputs with every entry > 0 (an entry that underflowed to 0
+        carries no pre-image)."""
+        y = np.asarray(y, dtype=np.float64)
+        return super().representable(y) & (y.reshape(len(y), -1) > 0).all(axis=1)
+
     def _check_y(self, y, n):
         y, _ = validate.batch("y", y, (self.T, self.T))
         if len(y) != n:
@@ -443,13 +454,21 @@ class ClosedChannel:
         spec = KernelSpec(program.name, program.name, lambda: program)
         self._kernel = Kernel(spec, model.backend, threads=threads or 0)
 
+    def _inside(self, y: np.ndarray) -> np.ndarray:
+        return {"sign": np.abs(y) == 1, "positive": y > 0, "real": np.isfinite(y)}[self.support]
+
+    def representable(self, y) -> np.ndarray:
+        """(n,) mask of the outputs in the link's range."""
+        y = np.asarray(y, dtype=np.float64)
+        return self._inside(y.reshape(len(y), -1)).all(axis=1)
+
     def moments(self, y, omega, V) -> Moments:
         omega, _ = validate.batch("omega", omega, (1, self.T))
         n, T = len(omega), self.T
         y = np.asarray(y, dtype=np.float64).reshape(-1)
         if y.shape != (n * T,) or not np.isfinite(y).all():
             raise ValueError(f"y must hold {n}×{T} finite outputs, got shape {np.shape(y)}")
-        outside = {"sign": np.abs(y) != 1, "positive": y <= 0, "real": np.zeros(n * T, bool)}[self.support]
+        outside = ~self._inside(y)
         if outside.any():
             raise ValueError(f"y must be {'±1' if self.support == 'sign' else '> 0'} for link "
                              f"{self.model.link.name!r} (sample {int(np.argmax(outside)) // T} has {y[outside][0]})")
