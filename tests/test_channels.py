@@ -44,8 +44,10 @@ REF_TOL = 1e-8       # the reference's own error bound must be below this (L = 1
 REF_TOL_L3 = 5e-5    # … and this for L = 3 (n = 5 rules; 1e-5 with n = 6 under --runslow)
 
 # Reference integrals are expensive: no shrinking (the first failing draw is reported as is).
+# Derandomised: the default run draws the same examples every time (a reproducible CI); the
+# slow *_many tests explore further, and a failing draw found there is kept as a test of its own.
 BASE = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-                phases=[Phase.explicit, Phase.reuse, Phase.generate], print_blob=True)
+                phases=[Phase.explicit, Phase.reuse, Phase.generate], print_blob=True, derandomize=True)
 
 
 def examples(n: int):
@@ -270,6 +272,18 @@ def check_l2(d, skip=1.0, beta=1.0):
 @given(data=st.data())
 def test_reparam_l2_state_evolution_draws(correlated, data):
     check_l2(data.draw(se_draws(2, correlated=correlated)))
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (issue 3 open): a correlated SE draw with a "
+                   "near-singular V (eigenvalues 0.53, 1.0e-3): metric 1.3e-6 while the estimate says 8.8e-8")
+def test_reparam_l2_correlated_near_singular_draw():
+    """Found by test_reparam_l2_state_evolution_draws[q-correlated] (randomised then)."""
+    q = np.array([[0.681553038265343, -0.26036692192505667], [-0.26036692192505667, 0.7854495736160405]])
+    check_l2(Draw(y=np.array([[0.9885683523297595, 0.01143164767024055],
+                              [0.012937935600836344, 0.9870620643991636]]),
+                  omega=np.array([[0.9450008978431229, -1.7350580184536326],
+                                  [-0.7922034229392325, 1.110551667148496]]),
+                  V=np.eye(2) - q, kind="se-correlated", q=q))
 
 
 @pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): near-singular V with ω ≈ 0 (a narrow posterior, Laplace + Gauss–Hermite path): measured error 2.5e-6 while the estimate says 1e-7 with tol=1e-7 (4e-4 before the prior piece moved to e^-40); 'unrelated y' with V ≈ 3e-3: the reference's tail bound does not certify")
