@@ -8,17 +8,24 @@ data, `g_out(y, omega, V)` = ∂ log Z_out/∂ω (n, T(T+1)/2).
   derive/aim.py (the common shift for softmax, nothing for linear): fisher = K/V.
 - hardmax, T = 2: Z_out = Φ₂(κ₁, κ₂; s₁s₂/3); g from derive.aim.hardmax2 (chain rule through the
   ratios R_i = ∂_iΦ₂/Φ₂, evaluated in log space); fisher by a deterministic 2D quadrature.
+- hardmax, any T: Z_out = P(C_y h > 0), the Gaussian probability of the cone of output y
+  (derive.aim.hardmax_cone), and g = (E[h | y, ω] - ω)/(V(1+δ)) = E[ξ | cone]/√((1+δ)V)
+  (Stein), both by randomised QMC (orthant.py); fisher = (1/V) Σ_y E_ω[Z_y |E[ξ | cone_y]|²] with
+  the sum over outputs up to relabelling of the tokens, and QMC over ω.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import permutations, product
 
 import numpy as np
 import sympy as sp
+from scipy.special import ndtri
 
 from derive import aim as sym
 
 from .bvn import log_bvn, log_bvn_partials
+from .orthant import Cone, sobol
 
 CHANNELS = ("softmax", "hardmax", "linear")
 N_IN, N_OUT = 48, 24       # Gauss–Legendre nodes of the hardmax quadrature (inner / outer panels)
@@ -144,13 +151,75 @@ class Hardmax2Channel:
         return float(total)
 
 
+def output_classes(T: int) -> list[tuple[tuple[int, ...], int]]:
+    """Hardmax outputs (winner of each row) up to a relabelling π of the tokens
+    (winners'[π(a)] = π(winners[a])), with the size of each class."""
+    classes = {}
+    for win in product(range(T), repeat=T):
+        rep = min(tuple(p[win[p.index(a)]] for a in range(T)) for p in permutations(range(T)))
+        classes[rep] = classes.get(rep, 0) + 1
+    return sorted(classes.items())
+
+
+class HardmaxChannel:
+    """Row-wise hardmax for any T, by QMC: `n_inner` points per (ω, y) for Z_out and E[ξ | cone];
+    in fisher, `n_outer` points over ω, each with its own rotation of `n_fisher` inner points;
+    `seed` fixes the scrambling (a deterministic map)."""
+    name, rank = "hardmax", None
+
+    def __init__(self, tokens: int, n_inner: int = 256, n_outer: int = 2048, n_fisher: int = 64,
+                 seed: int = 0):
+        self.tokens, self.seed = check_tokens(tokens), seed
+        self.n_inner, self.n_outer, self.n_fisher = n_inner, n_outer, n_fisher
+        self.w = pair_weights(self.tokens)
+
+    @lru_cache(maxsize=None)
+    def cone(self, winners: tuple[int, ...]) -> Cone:
+        return Cone(np.array(sym.hardmax_cone(self.tokens, winners), float), self.w)
+
+    @lru_cache(maxsize=None)
+    def points(self, dim: int, n: int, shifts: int = 0) -> np.ndarray:
+        return sobol(dim, n, self.seed + 1000 * (shifts > 0), shifts)
+
+    def _moments(self, y, omega, V, chunk: int = 2048):
+        """log Z_out (n,) and E[ξ | cone] (n, P), grouped by output."""
+        winners = y.argmax(axis=-1)
+        logz, exi = np.empty(len(y)), np.empty(omega.shape)
+        for win in np.unique(winners, axis=0):
+            cone = self.cone(tuple(int(v) for v in win))
+            u = self.points(cone.rank, self.n_inner)
+            idx = np.flatnonzero((winners == win).all(axis=1))
+            for k in range(0, idx.size, chunk):
+                part = idx[k:k + chunk]
+                logz[part], exi[part] = cone.moments(omega[part], V, u)
+        return logz, exi
+
+    def log_z(self, y, omega, V):
+        return self._moments(y, omega, V)[0]
+
+    def g_out(self, y: np.ndarray, omega: np.ndarray, V: float) -> np.ndarray:
+        """E[ξ | cone_y]/√((1+δ)V) over pairs(T), for one-hot rows y (n, T, T)."""
+        return self._moments(y, omega, V)[1] / np.sqrt(self.w * V)
+
+    def fisher(self, q: float, V: float) -> float:
+        """(1/V) Σ_classes size · E_ω[Z_y |E[ξ | cone_y]|²], ω = √((1+δ)q) Φ⁻¹(u) over QMC u."""
+        if q <= 0:
+            omega = np.zeros((1, self.w.size))
+        else:
+            omega = ndtri(self.points(self.w.size, self.n_outer, 1)[0]) * np.sqrt(self.w * q)
+        total = 0.0
+        for win, size in output_classes(self.tokens):
+            cone = self.cone(win)
+            logz, exi = cone.moments(omega, V, self.points(cone.rank, self.n_fisher, len(omega)))
+            total += size * np.mean(np.exp(logz) * np.sum(exi ** 2, axis=1))
+        return float(total / V)
+
+
 def make_channel(channel: str, tokens: int, beta: float = 1.0):
-    """The channel object for 'softmax' | 'linear' | 'hardmax' (hardmax: tokens = 2)."""
+    """The channel object for 'softmax' | 'linear' | 'hardmax' (hardmax T = 2: closed form)."""
     tokens = check_tokens(tokens)
     if channel in ("softmax", "linear"):
         return LinearChannel(channel, tokens, beta)
     if channel == "hardmax":
-        if tokens != 2:
-            raise ValueError(f"channel 'hardmax' is implemented for tokens = 2 only, got {tokens}")
-        return Hardmax2Channel()
+        return Hardmax2Channel() if tokens == 2 else HardmaxChannel(tokens)
     raise ValueError(f"channel must be one of {', '.join(CHANNELS)}, got {channel!r}")

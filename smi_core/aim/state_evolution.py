@@ -37,7 +37,8 @@ class AIMSEResult:
     def to_dict(self) -> dict:
         return {"channel": self.channel, "tokens": self.tokens, "rho": self.rho,
                 "alpha": self.alpha.tolist(), "q": self.q.tolist(), "mmse": self.mmse.tolist(),
-                "q_hat": [None if np.isinf(v) else float(v) for v in self.q_hat],   # inf: perfect recovery "iterations": self.iterations.tolist(),
+                "q_hat": [None if np.isinf(v) else float(v) for v in self.q_hat],   # inf: perfect recovery
+                "iterations": self.iterations.tolist(),
                 "converged": self.converged.tolist(), "trajectory": [t.tolist() for t in self.trajectory]}
 
 
