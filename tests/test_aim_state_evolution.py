@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from smi_core.aim import (aim_perfect_recovery, aim_small_width, aim_state_evolution,
-                          aim_weak_recovery)
+                          aim_weak_recovery, hardmax_decay_constant)
 
 
 @pytest.mark.parametrize("T", [2, 3, 4, 5])
@@ -76,6 +76,22 @@ def test_bad_input(kw, msg):
             aim_perfect_recovery(kw["channel"], 2, 0.5)
 
 
-def test_hardmax_has_no_closed_form_threshold():
-    with pytest.raises(ValueError, match="closed form"):
+def test_hardmax_needs_mmse_tol():
+    with pytest.raises(ValueError, match="mmse_tol"):
         aim_perfect_recovery("hardmax", 2, 0.5)
+
+
+def test_hardmax_mmse_decays_as_inverse_alpha_squared():
+    """No finite perfect-recovery α: at large α the SE MMSE follows ((2ρ - ρ²)/(2αF₁))²."""
+    rho = 0.5
+    F1 = hardmax_decay_constant(2, rho)
+    alpha = np.array([20.0, 80.0])
+    r = aim_state_evolution("hardmax", 2, rho, alpha)
+    np.testing.assert_allclose(r.mmse, ((2 * rho - rho ** 2) / (2 * alpha * F1)) ** 2, rtol=2e-2)
+    assert np.all(r.mmse > 0)
+
+
+def test_hardmax_recovery_threshold_brackets_the_curve():
+    a = aim_perfect_recovery("hardmax", 2, 0.5, mmse_tol=1e-2)
+    m = aim_state_evolution("hardmax", 2, 0.5, a * np.array([0.998, 1.002])).mmse
+    assert m[0] > 1e-2 >= m[1]

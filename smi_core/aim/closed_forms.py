@@ -13,19 +13,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import brentq
 
 from .channels import make_channel
-from .state_evolution import check_alpha, check_rho
+from .state_evolution import aim_state_evolution, check_alpha, check_rho
 
 
-def aim_perfect_recovery(channel: str = "softmax", tokens: int = 2, rho: float = 0.5) -> float:
-    """α_PR = (2ρ - ρ²)/(2K) (ρ ≤ 1), 1/(2K) (ρ ≥ 1), for the softmax and linear channels."""
+def aim_perfect_recovery(channel: str = "softmax", tokens: int = 2, rho: float = 0.5,
+                         mmse_tol: float | None = None) -> float:
+    """α_PR = (2ρ - ρ²)/(2K) (ρ ≤ 1), 1/(2K) (ρ ≥ 1), for the softmax and linear channels.
+
+    Hardmax has no finite α_PR: fisher ≈ F₁/√V as V → 0 (hardmax_decay_constant), so V = 0 is never
+    a fixed point and the MMSE only decays as ((2ρ - ρ²)/(2αF₁))² (ρ ≤ 1).  Given `mmse_tol`, the
+    smallest α whose state-evolution MMSE is ≤ mmse_tol (Brent in log α, relative 1e-6)."""
     rho = check_rho(rho)
     ch = make_channel(channel, tokens)
-    if ch.rank is None:
-        raise ValueError(f"channel {channel!r} has no perfect-recovery closed form "
-                         "(only the noiseless linear channels: softmax, linear)")
-    return (2 * rho - rho ** 2 if rho <= 1 else 1.0) / (2 * ch.rank)
+    if ch.rank is not None:
+        return (2 * rho - rho ** 2 if rho <= 1 else 1.0) / (2 * ch.rank)
+    if mmse_tol is None or not 0 < mmse_tol < 1:
+        raise ValueError(f"mmse_tol must be in (0, 1) for channel {channel!r} (no closed form: the "
+                         f"state-evolution MMSE reaches 0 only as α → ∞), got {mmse_tol}")
+    gap = lambda la: np.log(aim_state_evolution(channel, tokens, rho, np.exp(la)).mmse[0] / mmse_tol)
+    hi = np.log((2 * rho - rho ** 2 if rho <= 1 else 1.0) / (2 * hardmax_decay_constant(tokens, rho) * np.sqrt(mmse_tol)))
+    while gap(hi) > 0:
+        hi += 1.0
+    lo = hi - 1.0
+    while gap(lo) <= 0:
+        lo -= 1.0
+    return float(np.exp(brentq(gap, lo, hi, xtol=1e-6)))
+
+
+def hardmax_decay_constant(tokens: int = 2, rho: float = 0.5, V: float = 1e-8) -> float:
+    """F₁ = lim_{V→0} √V·fisher(Q0 - V, V), Q0 = 1 + ρ, evaluated at V (the information comes from
+    the ω within √V of the cone boundaries, so F₁ ∝ 1/√Q0)."""
+    return float(np.sqrt(V) * make_channel("hardmax", tokens).fisher(1 + check_rho(rho) - V, V))
 
 
 def small_width_constant(channel: str = "hardmax", tokens: int = 2, q: float = 0.0) -> float:
