@@ -9,9 +9,7 @@ import time
 
 import numpy as np
 
-from . import cli_gamp
-from . import cli_thresholds
-from . import cli_aim
+from . import cli_aim, cli_gamp, cli_thresholds
 from .cliutil import alphas, build_model, model_args, table, write_csv
 from .kernels import pregenerated
 

@@ -122,6 +122,17 @@ def cmd_demo(a) -> dict:
 
 
 def add_commands(sub) -> None:
+    demo = sub.add_parser("demo", help="two-layer attention: thresholds α₂, α₁, a state-evolution "
+                                       "curve and the staircase figure (≈ 1 minute)")
+    model_args(demo)
+    demo.add_argument("--samples", type=int, default=1 << 15, help="draws per threshold evaluation")
+    demo.add_argument("--rtol", type=float, default=1e-3)
+    demo.add_argument("--alphas", default="0.05:1.5:16", help="the state-evolution grid (default 0.05:1.5:16)")
+    demo.add_argument("--curve-samples", type=int, default=2048, help="draws per state-evolution step")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default="demo.png", metavar="FILE", help="figure (default demo.png)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(func=cmd_demo)
     th = sub.add_parser("thresholds", help="weak-recovery thresholds: the staircase of learned layers")
     model_args(th)
     _options(th, 1 << 15, 1e-3)
@@ -136,14 +147,3 @@ def add_commands(sub) -> None:
     pd.add_argument("--csv", default="phase_diagram.csv", help="where to write the table")
     pd.add_argument("--plot", default=None, metavar="FILE", help="draw the phase diagram to FILE")
     pd.set_defaults(func=cmd_phase_diagram)
-    demo = sub.add_parser("demo", help="two-layer attention: thresholds α₂, α₁, a state-evolution "
-                                       "curve and the staircase figure (≈ 2 minutes)")
-    model_args(demo)
-    demo.add_argument("--samples", type=int, default=1 << 15, help="draws per threshold evaluation")
-    demo.add_argument("--rtol", type=float, default=1e-3)
-    demo.add_argument("--alphas", default="0.05:1.5:16", help="the state-evolution grid (default 0.05:1.5:16)")
-    demo.add_argument("--curve-samples", type=int, default=2048, help="draws per state-evolution step")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--plot", default="demo.png", metavar="FILE", help="figure (default demo.png)")
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo.set_defaults(func=cmd_demo)

@@ -14,8 +14,9 @@ from reference import Model
 from smi_core import DeepAttention
 
 # No shrinking: with a 50-digit oracle it can take minutes; failures are reported as drawn.
+# Derandomised: the default run draws the same examples every time (a reproducible CI).
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                    phases=(Phase.explicit, Phase.reuse, Phase.generate))
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate), derandomize=True)
 
 
 # -- models ---------------------------------------------------------------------------------------
