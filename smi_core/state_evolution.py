@@ -150,6 +150,7 @@ class _Problem:
         self.n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
         self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng, xi, spread)
         self.rng = rng
+        self.restrict = None        # a projector P: q is kept on its range, q ← PqP (thresholds)
 
     def outputs(self, Z: np.ndarray) -> np.ndarray:
         """y ~ P(·|Z): g(Z), plus √Δ η with noise."""
@@ -178,9 +179,10 @@ class _Problem:
         return q_hat + self.side_info * np.eye(self.R)
 
     def update(self, q_hat: np.ndarray) -> np.ndarray:
-        """q = (q̂ + λI)(I + q̂ + λI)⁻¹."""
+        """q = (q̂ + λI)(I + q̂ + λI)⁻¹ (on the range of ``restrict`` when set)."""
         A = self.shifted(q_hat)
-        return _project(A @ np.linalg.inv(np.eye(self.R) + A))
+        q = A @ np.linalg.inv(np.eye(self.R) + A)
+        return _project(q if self.restrict is None else self.restrict @ q @ self.restrict)
 
     def free_entropy(self, q, q_hat, alpha, log_z) -> float:
         A = self.shifted(q_hat)

@@ -17,9 +17,11 @@ is q* = s uuᵀ, and it is parametrised by s instead of α: q̂* = s/(1 − s) u
 per s and no iteration.  The prior's derivative dq = (I + q̂*)⁻¹ dq̂ (I + q̂*)⁻¹ is the identity
 on U⊥ (q̂* ∝ uuᵀ), so the linearised map on U⊥ is α P F_{q*}(P · P) P with P = I − uuᵀ, and
 the next threshold is the first α along the branch (α(s) increasing, an AMP branch) where
-h(s) = α(s) ρ(P F_{q*} P) − 1 crosses zero.  s is scanned on a grid of x = −log₁₀(1 − s), the
+h(s) = α(s) ρ(P F_{q*} P) − 1 crosses zero.  s is scanned on a geometric grid of
+x = −log₁₀(1 − s), the
 crossing refined by regula falsi (the Illinois variant) in x; every evaluation uses the same
-draws, so h is a smooth function of x.
+draws, so h is a smooth function of x.  A learned subspace of higher dimension has its branch
+q*(α) from state evolution kept on U, and the map on U⊥ includes K = (I + q̂*)⁻¹ on both sides.
 
 Expectations: at q = 0 with (Z, noise) of dimension ≤ 3, a rotated tensor Gauss–Hermite rule
 (error: the difference to a coarser rule); otherwise BLOCKS independent blocks of draws
@@ -36,7 +38,7 @@ import numpy as np
 
 from . import validate
 from .quadrature import gauss_hermite
-from .state_evolution import BLOCKS, SAMPLERS, V_MIN, _Problem
+from .state_evolution import BLOCKS, SAMPLERS, UNINFORMED, V_MIN, _iterate, _Problem, _project
 
 GH_NODES = {1: 200, 2: 80, 3: 28}   # Gauss–Hermite nodes per dimension at q = 0 (dimension of (Z, noise))
 SUBSPACE = 0.1        # the learned subspace: eigenvectors of M* above this fraction of its largest
@@ -248,56 +250,111 @@ def weak_recovery_threshold(model, *, noise: float | None = None, samples: int =
                        max_samples, progress)
 
 
+@dataclass
+class _Point:
+    """One evaluation along a branch: α, h = α ρ − 1, the direction M, per-block α_b and h_b,
+    and the overlap q* there."""
+    alpha: float
+    h: float
+    M: np.ndarray
+    alpha_b: np.ndarray
+    h_b: np.ndarray
+    q: np.ndarray
+
+
 class _Branch:
-    """The fixed-point branch q* = s uuᵀ on a learned direction u and the map on P = I − uuᵀ."""
+    """The fixed-point branch q* = s uuᵀ on a learned direction u, parametrised by
+    x = −log₁₀(1 − s), and the map on P = I − uuᵀ."""
 
     def __init__(self, problem: _Problem, u: np.ndarray, bar):
         self.problem, self.u, self.bar = problem, u, bar
         self.P = np.eye(len(u)) - np.outer(u, u)
-        self.cache: dict[float, tuple] = {}
+        self.cache: dict[float, _Point] = {}
 
-    def __call__(self, x: float):
-        """(α, h, M, per-block α_b, per-block h_b) at s = 1 − 10^-x."""
+    def __call__(self, x: float) -> _Point:
         if x not in self.cache:
             s = 1 - 10.0 ** -x
-            ev = _evaluate(self.problem, s * np.outer(self.u, self.u))
+            q = s * np.outer(self.u, self.u)
+            ev = _evaluate(self.problem, q)
             alpha_b = s / (1 - s) / np.einsum("a,kab,b->k", self.u, ev.gg, self.u)
             alpha = s / (1 - s) / (self.u @ ev.gg.mean(axis=0) @ self.u)
             rho, M = perron(ev.F.mean(axis=0), self.P)
-            self.cache[x] = (alpha, alpha * rho - 1, M, alpha_b, alpha_b * _rayleigh(ev.F, M) - 1)
-            self.bar.set_postfix(alpha=f"{alpha:.4g}", q=f"{s:.6f}", h=f"{alpha * rho - 1:+.3f}")
-            self.bar.update(1)
+            self.cache[x] = _Point(alpha, alpha * rho - 1, M, alpha_b, alpha_b * _rayleigh(ev.F, M) - 1, q)
+            _report(self.bar, self.cache[x])
         return self.cache[x]
 
 
-def _next_step(problem, u, alpha_prev, alpha_max, rtol, grid, bar) -> Threshold | str:
+class _SubspaceBranch:
+    """The branch q*(α) on a learned subspace U of any dimension, by state evolution kept on U
+    (q ← P_U q P_U, continued from the previous α, off q = 0 by the uninformed floor), and the
+    linearised map on U⊥: M ↦ α P K F_{q*}(PMP) K P with K = (I + q̂*)⁻¹ (the prior's
+    derivative).  Parametrised by α itself; the error bars leave out the branch's own error."""
+
+    def __init__(self, problem: _Problem, Pu: np.ndarray, bar):
+        self.problem, self.Pu, self.bar = problem, Pu, bar
+        self.P = np.eye(len(Pu)) - Pu
+        self.q = UNINFORMED * Pu
+        self.cache: dict[float, _Point] = {}
+
+    def __call__(self, alpha: float) -> _Point:
+        if alpha not in self.cache:
+            self.problem.restrict = self.Pu
+            r = _iterate(self.problem, alpha, _project(self.q + UNINFORMED * self.Pu), "branch", 0.0, 1e-6, 300)
+            self.problem.restrict, self.q = None, r.q
+            ev = _evaluate(self.problem, r.q)
+            K = np.linalg.inv(np.eye(len(self.P)) + alpha * ev.gg.mean(axis=0))
+            F = np.einsum("ai,bj,kijcd->kabcd", K, K, ev.F)
+            rho, M = perron(F.mean(axis=0), self.P)
+            self.cache[alpha] = _Point(alpha, alpha * rho - 1, M, np.full(BLOCKS, alpha),
+                                       alpha * _rayleigh(F, M) - 1, r.q)
+            _report(self.bar, self.cache[alpha])
+        return self.cache[alpha]
+
+
+def _report(bar, p: _Point) -> None:
+    bar.set_postfix(alpha=f"{p.alpha:.4g}", q=np.round(np.diag(p.q), 4).tolist(), h=f"{p.h:+.3f}")
+    bar.update(1)
+
+
+def _next_step(problem, u, prev, alpha_max, rtol, grid, bar) -> Threshold | str:
     """The next threshold along the branch on span(u), or the reason there is none."""
     branch = _Branch(problem, u, bar)
-    xs = np.concatenate([[X_MAX / (64 * grid)], np.linspace(X_MAX / grid, X_MAX, grid)])
-    top, lo = alpha_prev, None
+    xs = np.geomspace(X_MAX / 2 ** (grid - 1), X_MAX, grid)        # s from ≈ 0.03 (grid = 10) to 1 − V_MIN
+    top, lo = 0.0, None
     for x in xs:
-        alpha, h = branch(x)[:2]
-        if alpha < top:                  # past a fold: this part of the branch is unstable
+        p = branch(x)
+        if p.alpha < top:                # past a fold: this part of the branch is unstable
             continue
-        top = alpha
-        if h >= 0:
-            return _threshold_at(branch, (x, x) if lo is None else _illinois(branch, lo, x, rtol))
-        if alpha > alpha_max:
+        top = p.alpha
+        if p.h >= 0:
+            return _threshold_at(branch, (x, x) if lo is None else _illinois(branch, lo, x, rtol), prev)
+        if p.alpha > alpha_max:
             return f"no further direction is learned up to alpha_max = {alpha_max:g}"
         lo = x
     return f"no further direction is learned along the branch up to q = 1 − {V_MIN:g} (α = {top:.4g})"
 
 
+def _next_step_subspace(problem, Pu, prev, alpha_max, rtol, bar) -> Threshold | str:
+    """The next threshold along the branch on the subspace of Pu, scanning α upwards by 20 %."""
+    branch = _SubspaceBranch(problem, Pu, bar)
+    lo, alpha = None, 1.02 * prev.alpha
+    while alpha <= alpha_max:
+        if branch(alpha).h >= 0:
+            return _threshold_at(branch, (alpha, alpha) if lo is None else _illinois(branch, lo, alpha, rtol), prev)
+        lo, alpha = alpha, 1.2 * alpha
+    return f"no further direction is learned up to alpha_max = {alpha_max:g}"
+
+
 def _illinois(branch, a: float, b: float, rtol: float) -> tuple[float, float]:
     """Shrink [a, b] (h(a) < 0 ≤ h(b)) by the Illinois false position until α(b) − α(a) is
     below rtol·α(b)/4."""
-    ha, hb = branch(a)[1], branch(b)[1]
+    ha, hb = branch(a).h, branch(b).h
     side = 0
     for _ in range(40):
-        if branch(b)[0] - branch(a)[0] <= 0.25 * rtol * branch(b)[0]:
+        if branch(b).alpha - branch(a).alpha <= 0.25 * rtol * branch(b).alpha:
             break
         c = b - hb * (b - a) / (hb - ha)
-        hc = branch(c)[1]
+        hc = branch(c).h
         if hc >= 0:
             b, hb = c, hc
             ha = ha / 2 if side == 1 else ha
@@ -309,19 +366,20 @@ def _illinois(branch, a: float, b: float, rtol: float) -> tuple[float, float]:
     return a, b
 
 
-def _threshold_at(branch: _Branch, pair: tuple[float, float]) -> Threshold:
-    """α where h = 0, linear in α between the bracket's ends, per block too for the error (a
-    bracket of one point: the branch is unstable in U⊥ as soon as it starts)."""
-    (a_lo, h_lo, _, ab_lo, hb_lo), (a_hi, h_hi, M, ab_hi, hb_hi) = branch(pair[0]), branch(pair[1])
+def _threshold_at(branch, pair: tuple[float, float], prev: Threshold) -> Threshold:
+    """α where h = 0, linear in α between the bracket's ends, per block too for the error.  A
+    bracket of one point: U⊥ is unstable as soon as the branch starts, so the step is at the
+    previous one, within that one's error."""
+    lo, hi = branch(pair[0]), branch(pair[1])
     if pair[0] == pair[1]:
-        alpha, per = a_hi, ab_hi
+        alpha, stderr = prev.alpha, prev.stderr
     else:
         root = lambda al, hl, ah, hh: al + (ah - al) * (-hl) / (hh - hl)
-        alpha, per = root(a_lo, h_lo, a_hi, h_hi), root(ab_lo, hb_lo, ab_hi, hb_hi)
-    P = _subspace(M)
-    return Threshold(alpha=float(alpha), stderr=float(per.std(ddof=1) / np.sqrt(len(per))), direction=M,
-                     subspace=P, indices=_indices(P), overlap=(1 - 10.0 ** -pair[1]) * np.outer(branch.u, branch.u),
-                     samples=branch.problem.draws.n)
+        alpha, per = root(lo.alpha, lo.h, hi.alpha, hi.h), root(lo.alpha_b, lo.h_b, hi.alpha_b, hi.h_b)
+        stderr = per.std(ddof=1) / np.sqrt(len(per))
+    P = _subspace(hi.M)
+    return Threshold(alpha=float(alpha), stderr=float(stderr), direction=hi.M, subspace=P, indices=_indices(P),
+                     overlap=hi.q, samples=branch.problem.draws.n)
 
 
 def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, samples: int = 1 << 15,
@@ -329,11 +387,11 @@ def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, sam
               sampler: str = "auto", channel: dict | None = None, progress: bool = False) -> Staircase:
     """The thresholds at which the subspaces of the weights start to be learned, in order
     (module docstring): the first at q = 0 as in weak_recovery_threshold, then along the
-    fixed-point branch on the learned direction.  ``grid`` values of s scan the branch before
-    the crossing is refined to ``rtol``; later steps use ``samples`` draws; ``progress`` shows
-    a bar per step.  A branch on a
-    learned subspace of dimension > 1 with directions still unlearned is not followed (the
-    result says so in ``reason``)."""
+    fixed-point branch on what is learned: one direction by its overlap s (``grid`` values
+    of s scan the branch before the crossing is refined to ``rtol``), a subspace of higher
+    dimension by state evolution kept on it, α scanned up by 20 % steps (_SubspaceBranch).
+    Later steps use ``samples`` draws; ``progress`` shows a bar per step.  ``reason`` says why
+    a staircase that is not ``complete`` stopped."""
     _check(samples, rtol, max_samples, sampler)
     validate.positive("alpha_max", alpha_max)
     if not isinstance(grid, (int, np.integer)) or grid < 2:
@@ -344,12 +402,13 @@ def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, sam
     R = len(learned)
     problem = None
     while np.trace(learned) < R - 0.5:
-        if round(np.trace(learned)) > 1:
-            return Staircase(steps, False, "the branch on a learned subspace of dimension > 1 is not followed")
         problem = problem or _problem(model, noise, samples, rng, "sobol" if sampler == "auto" else sampler, channel)
-        u = np.linalg.eigh(learned)[1][:, -1]
         with _progress(progress, f"step {len(steps) + 1}") as bar:
-            step = _next_step(problem, u, steps[-1].alpha, alpha_max, rtol, grid, bar)
+            if round(np.trace(learned)) == 1:
+                u = np.linalg.eigh(learned)[1][:, -1]
+                step = _next_step(problem, u, steps[-1], alpha_max, rtol, grid, bar)
+            else:
+                step = _next_step_subspace(problem, learned, steps[-1], alpha_max, rtol, bar)
         if isinstance(step, str):
             return Staircase(steps, False, step)
         steps.append(step)

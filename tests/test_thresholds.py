@@ -154,6 +154,24 @@ def test_phase_diagram_full_grid():
     assert (diagram.alpha[:, 0] < diagram.alpha[:, 1]).all()
 
 
+@pytest.mark.slow
+def test_staircase_follows_a_branch_on_a_two_dimensional_learned_subspace():
+    """y = h₁² + h₂² + h₃²/2 + √Δ η: h₃ first, then one of the symmetric pair, and the last
+    step on the branch of the two learned directions (state evolution kept on them), with q*
+    zero outside them."""
+    H = index_symbols(3, 1)
+    register_link("th_three", H[0, 0] ** 2 + H[1, 0] ** 2 + H[2, 0] ** 2 / 2)
+    stairs = staircase(LinkModel("th_three"), noise=0.1, samples=2048, rtol=1e-2)
+    assert stairs.complete and len(stairs) == 3
+    assert stairs[0].indices == [2] and sorted(stairs[1].indices + stairs[2].indices) == [0, 1]
+    alphas = [s.alpha for s in stairs]
+    assert alphas == sorted(alphas)
+    last = stairs[2]
+    outside = last.indices[0]
+    assert abs(last.overlap[outside, outside]) < 1e-12
+    assert min(last.overlap[a, a] for a in range(3) if a != outside) > 0.01
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"samples": 3}, "samples"), ({"rtol": 0}, "rtol"), ({"max_samples": 100}, "max_samples"),
     ({"sampler": "grid"}, "sampler"), ({"noise": -1.0}, "noise"), ({"noise": 0.0}, "noise")])
