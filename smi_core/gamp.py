@@ -119,12 +119,9 @@ def gamp(model, X, y, *, teacher: Teacher | None = None, noise: float | None = N
     if side_info > 0 and W is None:
         raise ValueError("side_info > 0 needs the teacher (S = √λ W + noise)")
     rng = np.random.default_rng(rng)
-    if hasattr(channel, "moments"):
-        if noise is not None:
-            raise ValueError("noise must be None with a built channel (the channel fixes the noise)")
-        chan = channel
-    else:
-        chan = _channel(model, None if noise is None else validate.positive("noise", noise), channel)
+    if hasattr(channel, "moments") and noise is not None:
+        raise ValueError("noise must be None with a built channel (the channel fixes the noise)")
+    chan = _channel(model, None if noise is None else validate.positive("noise", noise), channel)
     if side_info > 0:
         field = np.sqrt(side_info) * (np.sqrt(side_info) * W + rng.standard_normal(W.shape))
         W_hat, C_hat = field / (1 + side_info), np.eye(R) / (1 + side_info)

@@ -81,12 +81,12 @@ class SEResult:
 class _Draws:
     """The fixed standard-normal draws of one state evolution: ξ, ζ (n, R, T), the output
     noise η (n, size(y)), in BLOCKS equal blocks.  Without ``xi`` (for q = 0 only) ξ = 0 and ζ
-    takes the first coordinates of the Sobol points.  With ``spread`` = σ > 1 all d coordinates
-    are drawn wider, σx, with importance weights σ^d e^{−(σ² − 1)|x|²/2}, so that the tails of
-    polynomially growing integrands are sampled."""
+    takes the first coordinates of the Sobol points.  With ``spread`` = σ(d) > 1, a function of
+    the number d of coordinates, all are drawn wider, σx, with importance weights
+    σ^d e^{−(σ² − 1)|x|²/2}, so that the tails of polynomially growing integrands are sampled."""
 
     def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
-                 rng: np.random.Generator, xi: bool = True, spread: float = 1.0):
+                 rng: np.random.Generator, xi: bool = True, spread=None):
         per = -(-samples // BLOCKS)
         k = R * T if xi else 0
         dims = k + R * T + (n_out if noisy else 0)
@@ -99,9 +99,10 @@ class _Draws:
         n = len(x)
         self.n, self.per = n, per
         self.weight = None
-        if spread != 1.0:
-            self.weight = spread ** dims * np.exp(-0.5 * (spread ** 2 - 1) * (x ** 2).sum(axis=1))
-            x = spread * x
+        if spread is not None:
+            sigma = spread(dims)
+            self.weight = sigma ** dims * np.exp(-0.5 * (sigma ** 2 - 1) * (x ** 2).sum(axis=1))
+            x = sigma * x
         self.xi = x[:, :k].reshape(n, R, T) if xi else np.zeros((n, R, T))
         self.zeta = x[:, k:k + R * T].reshape(n, R, T)
         self.eta = x[:, k + R * T:] if noisy else None
@@ -138,7 +139,7 @@ class _Problem:
     """Model, channel, noise, side information and draws: evaluates the SE map at q."""
 
     def __init__(self, model, noise, side_info, samples, sampler, rng, channel_options, xi=True,
-                 spread=1.0):
+                 spread=None):
         self.model, self.R, self.T = model, model.indices, model.tokens
         self.noise = None if noise is None else validate.positive("noise", noise)
         self.side_info = validate.positive("side_info", side_info, allow_zero=True)
@@ -207,7 +208,9 @@ def _channel(model, noise, options):
     """The channel SE calls: a one-index link's closed form when SymPy has one, else the
     model's default route (reparametrisation, or the noisy route when noise is given), with
     its default nodes; no per-sample error estimate is computed unless ``tol`` is given (SE
-    does not use it)."""
+    does not use it).  A channel already built is used as it is."""
+    if hasattr(options, "moments"):
+        return options
     options = dict(options or {})
     if "tol" not in options:
         options.setdefault("error_estimate", False)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import validate
-from .quadrature import gauss_hermite
+from .quadrature import _log_phi, gauss_hermite
 from .state_evolution import BLOCKS, SAMPLERS, UNINFORMED, V_MIN, _iterate, _Problem, _project
 
 GH_NODES = {1: 200, 2: 80, 3: 28}   # Gauss–Hermite nodes per dimension at q = 0 (dimension of (Z, noise))
@@ -144,15 +144,18 @@ def _indices(P: np.ndarray) -> list[int]:
     return [int(a) for a in np.flatnonzero(np.diag(P) > 0.5)]
 
 
+def _spread(d: int) -> float:
+    """σ = (1 + 1.2/√d)^{1/2} for d coordinates: draws widened with importance weights (see
+    _Draws).  J J grows like |Z|⁴, and plain draws leave its tail to rare samples — biased low
+    per set, and error bars too small (measured on two-layer attention at 8192 draws: block
+    error of α₂ 1.4e-3 → 3.1e-4)."""
+    return np.sqrt(1 + 1.2 / np.sqrt(d))
+
+
 def _problem(model, noise, samples, rng, sampler, channel, xi=True) -> _Problem:
-    """Draws of (ξ, ζ, η), or of (ζ, η) at q = 0, widened by σ = (1 + 1.2/√d)^{1/2} for their
-    dimension d, with importance weights (see _Draws): J J grows like |Z|⁴, and plain draws
-    leave its tail to rare samples — biased low per set, and error bars too small (measured
-    on two-layer attention at 8192 draws: block error of α₂ 1.4e-3 → 3.1e-4)."""
-    R, T = model.indices, model.tokens
-    n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
-    d = R * T * (2 if xi else 1) + (n_out if noise is not None else 0)
-    return _Problem(model, noise, 0.0, samples, sampler, rng, channel, xi, np.sqrt(1 + 1.2 / np.sqrt(d)))
+    """Draws of (ξ, ζ, η), or of (ζ, η) at q = 0, widened by _spread; ``channel`` options or
+    a channel already built (it is then shared)."""
+    return _Problem(model, noise, 0.0, samples, sampler, rng, channel, xi, _spread)
 
 
 class _Rule:
@@ -164,7 +167,7 @@ class _Rule:
     def __init__(self, nodes: int, R: int, T: int, n_out: int, noisy: bool):
         d = R * T + (n_out if noisy else 0)
         x, lw = gauss_hermite(nodes, d)
-        self.w = np.exp(lw - 0.5 * (x ** 2).sum(axis=1) - 0.5 * d * np.log(2 * np.pi))
+        self.w = np.exp(lw + _log_phi(x))
         rotation = np.linalg.qr(np.random.default_rng(12345).standard_normal((d, d)))[0]
         x = x @ rotation.T
         self.n = len(x)
@@ -210,17 +213,18 @@ def _sampled_F(samples, rtol, max_samples, progress, make):
 
 def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress=False):
     """α_c = 1/ρ(F) at q = 0: by the Gauss–Hermite rule when (Z, noise) has at most 3
-    dimensions and ``sampler`` is "auto", else by sampling (_sampled_F)."""
+    dimensions and ``sampler`` is "auto", else by sampling (_sampled_F).  Returns the Threshold
+    and the channel, built once."""
     kind = "sobol" if sampler == "auto" else sampler
-    make = lambda n: _problem(model, noise, n, rng, kind, channel, xi=False)
-    problem = make(2 * BLOCKS)
+    problem = _problem(model, noise, 2 * BLOCKS, rng, kind, channel, xi=False)
+    make = lambda n: _problem(model, noise, n, rng, kind, problem.channel, xi=False)
     if sampler == "auto" and _rule_dims(problem) in GH_NODES:
         rho, stderr, M = _deterministic_F(problem)
     else:
         rho, stderr, M, problem = _sampled_F(samples, rtol, max_samples, progress, make)
     P = _subspace(M)
     return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
-                     overlap=np.zeros_like(M), samples=problem.draws.n)
+                     overlap=np.zeros_like(M), samples=problem.draws.n), problem.channel
 
 
 def _check(samples, rtol, max_samples, sampler):
@@ -247,7 +251,7 @@ def weak_recovery_threshold(model, *, noise: float | None = None, samples: int =
     ``progress`` shows a bar."""
     _check(samples, rtol, max_samples, sampler)
     return _first_step(model, noise, samples, np.random.default_rng(seed), sampler, channel, rtol,
-                       max_samples, progress)
+                       max_samples, progress)[0]
 
 
 @dataclass
@@ -397,7 +401,7 @@ def staircase(model, *, noise: float | None = None, alpha_max: float = 10.0, sam
     if not isinstance(grid, (int, np.integer)) or grid < 2:
         raise ValueError(f"grid must be an integer ≥ 2, got {grid!r}")
     rng = np.random.default_rng(seed)
-    first = _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress)
+    first, channel = _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples, progress)
     steps, learned = [first], first.subspace
     R = len(learned)
     problem = None
