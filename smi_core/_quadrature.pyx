@@ -95,8 +95,8 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* node_in
     double* node_out
     double* x
-    double* Z          # up to 4 terms × RT
-    double* lf         # up to 4 terms
+    double* Z          # up to 2 terms × RT
+    double* lf         # up to 2 terms
     double* lq
 
 
@@ -107,7 +107,7 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
     cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1) * sizeof(double))
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 2 * RT + 2 + M + 1) * sizeof(double))
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
     s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
     s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
@@ -122,8 +122,8 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.node_out = work + n_data + d
     s.x = s.node_out + n_node * (1 + d)
     s.Z = s.x + d
-    s.lf = s.Z + 4 * RT
-    s.lq = s.lf + 4
+    s.lf = s.Z + 2 * RT
+    s.lq = s.lf + 2
     if route == 0:
         for i in range(n_data):
             s.node_in[i] = data[i]
@@ -152,30 +152,27 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
     return base
 
 
-cdef int _terms(Site* s, const double* x, int fold) noexcept nogil:
+cdef int _terms(Site* s, const double* x) noexcept nogil:
     """The integrand at x, as a sum of terms exp(s.lf[k]) at index matrices s.Z[k·RT:]; returns
-    their number.  Route 0: the two signs of h_L (and, with ``fold``, also the reflection of
-    the first layer's row, -h_1, which leaves Φ and so the kernel unchanged: 4 terms from one
-    kernel call).  Route 1: one term.  Non-finite terms get lf = -inf."""
-    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k, nt, sg, fl
+    their number.  Route 0: the two signs of h_L (2 terms from one kernel call).  Route 1: one
+    term.  Non-finite terms get lf = -inf."""
+    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k
     cdef double* Z
     cdef double sq, r
     if s.route == 0:
         for i in range(d):
             s.node_in[s.n_data + i] = x[i]
         s.f(s.node_in, s.par, s.node_out)
-        nt = 4 if fold else 2
-        for k in range(nt):
+        for k in range(2):
             Z = s.Z + k * RT
-            sg, fl = k & 1, k >> 1
             for i in range(d):
-                Z[i] = -x[i] if (fl and i < T) else x[i]
+                Z[i] = x[i]
             for i in range(T):
-                Z[d + i] = -s.node_out[i] if sg else s.node_out[i]
+                Z[d + i] = -s.node_out[i] if k else s.node_out[i]
             s.lf[k] = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, T) - s.node_out[T]
             if not isfinite(s.lf[k]):          # det Φ = 0: the Gaussian factor vanishes there
                 s.lf[k] = -INFINITY
-        return nt
+        return 2
     s.f(x, s.par, s.node_out)
     sq = 0.0
     for i in range(s.n_node):
@@ -230,7 +227,7 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
             continue
         for k in range(G):
             base = _place(&s, m, xi + k * d) + lw[k]
-            nt = _terms(&s, s.x, 0)
+            nt = _terms(&s, s.x)
             for t in range(nt):
                 if s.lf[t] > -INFINITY:
                     _add(&acc, base + s.lf[t], s.Z + t * RT, ref)
@@ -261,8 +258,7 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
 
 def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data,
                     const double[:, ::1] omega, const double[:, :, ::1] Vinv,
-                    const double[::1] logdetV, const double[:, ::1] ref,
-                    const double[::1] r_lo, const double[::1] r_hi, const double[::1] kappa,
+                    const double[::1] logdetV, const double[::1] r_lo, const double[::1] r_hi, const double[::1] kappa,
                     const double[::1] center, const double[::1] fade,
                     const double[::1] t, const double[::1] wt, double c0, double c1, double c2,
                     int cap, int R, int T, double[::1] log_z, double[:, ::1] mean,
@@ -276,7 +272,7 @@ def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data
     angular concentration of the prior; ``fade`` lowers the count on rings where the prior of h_1
     is small (the trapezoid error is relative to the ring's mass).  r ∈ [r_lo, r_hi] by
     Gauss–Legendre (nodes t, weights wt on [-1, 1]).  Terms below e^-45 of the running maximum
-    are skipped."""
+    are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -284,25 +280,24 @@ def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0], &Vinv[i, 0, 0],
-                          logdetV[i], &ref[i, 0], r_lo[i], r_hi[i], kappa[i], center[i], fade[i],
+                          logdetV[i], r_lo[i], r_hi[i], kappa[i], center[i], fade[i],
                           &t[0], &wt[0],
                           t.shape[0], c0, c1, c2, cap, R, T, &log_z[i], &mean[i, 0],
                           &second[i, 0, 0])
 
 
 cdef void _polar_sample(kernel_t f, const double* par, const double* data, int n_data,
-                        const double* omega, const double* Vinv, double logdetV, const double* ref,
-                        double r_lo, double r_hi, double kappa, double center, double fade,
+                        const double* omega, const double* Vinv, double logdetV, double r_lo, double r_hi, double kappa, double center, double fade,
                         const double* t, const double* wt,
                         int nr, double c0, double c1, double c2, int cap, int R, int T,
                         double* log_z, double* mean, double* second) noexcept nogil:
     cdef Site s
     cdef Acc acc
-    cdef int RT = R * T, j, k, nt, q, N
+    cdef int RT = R * T, j, k, N
     cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), r, w, base, x[2]
-    cdef double cs, sn, c1s, s1s, tmp, lw
+    cdef double cs, sn, c1s, s1s, tmp
     cdef double* work = _site_init(&s, 0, f, par, data, n_data, omega, Vinv, const0, NULL, NULL,
-                                   NULL, NULL, 0, 2, ref, R, T, T + 1, 0.0)
+                                   NULL, NULL, 0, 2, omega, R, T, T + 1, 0.0)
     _acc_init(&acc, RT)
     for j in range(nr):
         r = r_lo + 0.5 * (r_hi - r_lo) * (t[j] + 1.0)
@@ -319,13 +314,77 @@ cdef void _polar_sample(kernel_t f, const double* par, const double* data, int n
             tmp = cs * c1s - sn * s1s
             sn = sn * c1s + cs * s1s
             cs = tmp
-            nt = _terms(&s, x, 1)
-            for q in range(nt):
-                lw = base + s.lf[q]
-                if lw > acc.mx - 45.0:
-                    _add(&acc, lw, s.Z + q * RT, ref)
+            _polar_node(&s, &acc, x, base)
     _acc_finish(&acc, log_z, mean, second)
     free(work)
+
+
+cdef inline void _polar_node(Site* s, Acc* acc, const double* x, double base) noexcept nogil:
+    """Route 0, L = 2, T = 2, x = h_1: the four terms Z = [±x; ±h_2] (layer 1 row reflected,
+    sign of u_L) from one kernel call, added to ``acc`` about ref = ω (the polar driver's ref).
+    With P = V⁻¹, dx_± = ±x - ω₁, dh_± = ±h_2 - ω₂:  Q(s, σ) = P₁₁|dx_s|² + 2P₁₂ dx_s·dh_σ +
+    P₂₂|dh_σ|², and the moment sums split into the (x, x), (h, h) and (x, h) blocks, so the four
+    terms cost little more than one."""
+    cdef const double* om = s.omega
+    cdef double* out = s.node_out
+    cdef double p11 = s.Vinv[0], p12 = s.Vinv[1], p22 = s.Vinv[3]
+    cdef double dx[2][2]
+    cdef double dh[2][2]
+    cdef double lw[2][2]
+    cdef double wt[2][2]
+    cdef double ax[2]
+    cdef double bh[2]
+    cdef double c[2][2]
+    cdef double lc, top, scale, wx, wh
+    cdef int a, b, i
+    s.node_in[s.n_data], s.node_in[s.n_data + 1] = x[0], x[1]
+    s.f(s.node_in, s.par, out)
+    lc = base + s.const0 - out[2]
+    if not (isfinite(out[0]) and isfinite(out[1]) and isfinite(lc)):
+        return                              # det Φ = 0: the Gaussian factor vanishes there
+    for i in range(2):
+        dx[0][i], dx[1][i] = x[i] - om[i], -x[i] - om[i]
+        dh[0][i], dh[1][i] = out[i] - om[2 + i], -out[i] - om[2 + i]
+    top = -INFINITY
+    for a in range(2):
+        ax[a] = p11 * (dx[a][0] * dx[a][0] + dx[a][1] * dx[a][1])
+        bh[a] = p22 * (dh[a][0] * dh[a][0] + dh[a][1] * dh[a][1])
+    for a in range(2):
+        for b in range(2):
+            lw[a][b] = lc - 0.5 * (ax[a] + bh[b]) - p12 * (dx[a][0] * dh[b][0] + dx[a][1] * dh[b][1])
+            if lw[a][b] > top:
+                top = lw[a][b]
+    if not top > acc.mx - 45.0:
+        return
+    if top > acc.mx:
+        scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
+        acc.s0 *= scale
+        for i in range(4):
+            acc.s1[i] *= scale
+        for i in range(16):
+            acc.s2[i] *= scale
+        acc.mx = top
+    for a in range(2):
+        for b in range(2):
+            wt[a][b] = exp(lw[a][b] - acc.mx) if lw[a][b] > acc.mx - 45.0 else 0.0
+    for a in range(2):
+        wx = wt[a][0] + wt[a][1]            # mass of the terms with x reflected by a
+        wh = wt[0][a] + wt[1][a]            # mass of the terms with h_2 signed by a
+        acc.s0 += wx
+        for i in range(2):
+            acc.s1[i] += wx * dx[a][i]
+            acc.s1[2 + i] += wh * dh[a][i]
+            c[a][i] = wt[a][0] * dh[0][i] + wt[a][1] * dh[1][i]
+        acc.s2[0] += wx * dx[a][0] * dx[a][0]
+        acc.s2[1] += wx * dx[a][0] * dx[a][1]
+        acc.s2[5] += wx * dx[a][1] * dx[a][1]
+        acc.s2[10] += wh * dh[a][0] * dh[a][0]
+        acc.s2[11] += wh * dh[a][0] * dh[a][1]
+        acc.s2[15] += wh * dh[a][1] * dh[a][1]
+        acc.s2[2] += dx[a][0] * c[a][0]
+        acc.s2[3] += dx[a][0] * c[a][1]
+        acc.s2[6] += dx[a][1] * c[a][0]
+        acc.s2[7] += dx[a][1] * c[a][1]
 
 
 cdef struct Problem:
@@ -540,7 +599,7 @@ cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, 
     cdef int RT = s.R * s.T, i, j, k, nt
     cdef double base = _place(s, m, xi) - s.shift, v, total = 0.0
     cdef double* Z
-    nt = _terms(s, s.x, 0)
+    nt = _terms(s, s.x)
     for k in range(nt):
         if not s.lf[k] > -INFINITY:
             continue

@@ -291,14 +291,14 @@ class ReparamChannel(Channel):
         S = np.maximum(V22 - V21 ** 2 / V11, 1e-300)
         return 1.0 / np.sqrt(1.0 / V11 + (V21 / V11) ** 2 / S) >= self.POLAR_MIN_SD
 
-    def _polar_run(self, u, omega, Vinv, logdetV, ref, geometry, scale):
+    def _polar_run(self, u, omega, Vinv, logdetV, geometry, scale):
         p = self.POLAR
         lo, hi, kappa, center, fade = geometry
         n, RT = len(omega), self.R * self.T
         t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         _quadrature.integrate_polar(self._node_kernel.capsule(), self.model.params, u,
-                                    omega.reshape(n, RT), Vinv, logdetV, ref, lo, hi, kappa,
+                                    omega.reshape(n, RT), Vinv, logdetV, lo, hi, kappa,
                                     center, fade, t, wt,
                                     p["c0"] * scale, p["c1"] * self.model.beta * scale,
                                     p["c2"] * scale, int(p["cap"] * scale), self.R, self.T,
@@ -319,17 +319,17 @@ class ReparamChannel(Channel):
         fade = 1.0 / (2 * V[:, 0, 0] * self.POLAR["fade"]) if self.POLAR["fade"] else np.zeros(n)
         geometry = (np.maximum(0.0, mu - reach * sd), mu + reach * sd, mu / V[:, 0, 0], mu, fade)
         scale = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
-        fine = self._polar_run(u, omega, Vinv, logdetV, ref, geometry, scale)
+        fine = self._polar_run(u, omega, Vinv, logdetV, geometry, scale)
         error = np.full(n, np.nan)
         if self.error_estimate:
-            coarse = self._polar_run(u, omega, Vinv, logdetV, ref, geometry, scale / 1.5)
+            coarse = self._polar_run(u, omega, Vinv, logdetV, geometry, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         for _ in range(3 if self.tol is not None else 0):
             redo = np.flatnonzero(~(error <= self.tol))
             if not redo.size:
                 break
             scale *= 1.5
-            sub = (u[redo], omega[redo], Vinv[redo], logdetV[redo], ref[redo])
+            sub = (u[redo], omega[redo], Vinv[redo], logdetV[redo])
             finer = self._polar_run(*sub, tuple(g[redo] for g in geometry), scale)
             error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
                                        Vinv[redo], ref[redo])
