@@ -23,11 +23,46 @@ with their index matrices Z).  Drivers: ``integrate`` (a fixed rule on every par
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport ceil, cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, isfinite
+from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, isfinite
 from libc.stdlib cimport malloc, free
 from openmp cimport omp_get_max_threads
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* e^x for x <= 0 (0 below -700), inlined: x = k ln 2 + r with |r| <= ln2/2 (Cody-Waite,
+       k ln2_hi exact), e^r by its Taylor polynomial of degree 13 (truncation < 5e-18), times 2^k
+       built in the exponent bits.  Relative error a few ulp; the weights of the moment sums are
+       all e^(lw - max) with lw - max in [-45, 0], so this replaces a libm call per term. */
+    static inline double smi_exp_neg(double x) {
+        if (!(x > -700.0)) return 0.0;
+        const double shift = 6755399441055744.0;           /* 1.5 * 2^52: round to nearest */
+        double k = (x * 1.4426950408889634 + shift) - shift;
+        double r = (x - k * 6.93147180369123816490e-01) - k * 1.90821492927058770002e-10;
+        double p = 1.6059043836821613e-10;                 /* 1/13! */
+        p = p * r + 2.0876756987868099e-09;                /* 1/12! */
+        p = p * r + 2.5052108385441720e-08;
+        p = p * r + 2.7557319223985888e-07;
+        p = p * r + 2.7557319223985893e-06;
+        p = p * r + 2.4801587301587302e-05;
+        p = p * r + 1.9841269841269841e-04;
+        p = p * r + 1.3888888888888889e-03;
+        p = p * r + 8.3333333333333333e-03;
+        p = p * r + 4.1666666666666667e-02;
+        p = p * r + 1.6666666666666667e-01;
+        p = p * r + 0.5;
+        p = p * r + 1.0;
+        p = p * r + 1.0;
+        int64_t bits = ((int64_t) k + 1023) << 52;
+        double two_k;
+        memcpy(&two_k, &bits, sizeof two_k);
+        return p * two_k;
+    }
+    """
+    double smi_exp_neg(double x) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -71,7 +106,7 @@ cdef inline void _add(Acc* acc, double lw, const double* Z, const double* ref) n
         for i in range(n * n):
             acc.s2[i] *= scale
         acc.mx = lw
-    w = exp(lw - acc.mx)
+    w = smi_exp_neg(lw - acc.mx)
     acc.s0 += w
     for i in range(n):
         acc.s1[i] += w * (Z[i] - ref[i])
@@ -258,21 +293,17 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
 
 def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data,
                     const double[:, ::1] omega, const double[:, :, ::1] Vinv,
-                    const double[::1] logdetV, const double[::1] r_lo, const double[::1] r_hi, const double[::1] kappa,
-                    const double[::1] center, const double[::1] fade,
-                    const double[::1] t, const double[::1] wt, double c0, double c1, double c2,
-                    int cap, int R, int T, double[::1] log_z, double[:, ::1] mean,
-                    double[:, :, ::1] second, int threads=0):
+                    const double[::1] logdetV, const double[:, ::1] radius,
+                    const double[:, ::1] log_weight, const int[:, ::1] count,
+                    double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second, int threads=0):
     """Route 0 with x = h_1 ∈ R² (L = 2, T = 2): the integral in polar coordinates x = r e_θ
     about the origin, where all the softmax cliffs of layer 1 meet (a = 0, b = 0, a = b for
     h_1 = (a, b)), so they only make the θ-integrand vary fast, on a scale ≈ 1/(β r²).
     Folded over the reflection h_1 → -h_1 (Φ is even, one kernel call serves x and -x):
-    θ ∈ [0, π) by the midpoint (periodic trapezoid) rule with N(r) = min(cap, ⌈c0 + (c1 r² +
-    c2 κ r) · max(0.1, 1 - fade (r - center)²)⌉) points: c1 carries β, κ = |ω_1|/V_11 is the
-    angular concentration of the prior; ``fade`` lowers the count on rings where the prior of h_1
-    is small (the trapezoid error is relative to the ring's mass).  r ∈ [r_lo, r_hi] by
-    Gauss–Legendre (nodes t, weights wt on [-1, 1]).  Terms below e^-45 of the running maximum
-    are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
+    θ ∈ [0, π) by the midpoint (periodic trapezoid) rule.  Ring j of sample i: radius
+    ``radius[i, j]``, radial weight exp(``log_weight[i, j]``) (including the Jacobian r),
+    ``count[i, j]`` angles (rings with count 0 are skipped).  Terms below e^-45 of the running
+    maximum are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -280,33 +311,28 @@ def integrate_polar(capsule, const double[::1] params, const double[:, ::1] data
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0], &Vinv[i, 0, 0],
-                          logdetV[i], r_lo[i], r_hi[i], kappa[i], center[i], fade[i],
-                          &t[0], &wt[0],
-                          t.shape[0], c0, c1, c2, cap, R, T, &log_z[i], &mean[i, 0],
-                          &second[i, 0, 0])
+                          logdetV[i], &radius[i, 0], &log_weight[i, 0], &count[i, 0],
+                          radius.shape[1], &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 cdef void _polar_sample(kernel_t f, const double* par, const double* data, int n_data,
-                        const double* omega, const double* Vinv, double logdetV, double r_lo, double r_hi, double kappa, double center, double fade,
-                        const double* t, const double* wt,
-                        int nr, double c0, double c1, double c2, int cap, int R, int T,
+                        const double* omega, const double* Vinv, double logdetV,
+                        const double* radius, const double* log_weight, const int* count, int nr,
                         double* log_z, double* mean, double* second) noexcept nogil:
     cdef Site s
     cdef Acc acc
-    cdef int RT = R * T, j, k, N
-    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), r, w, base, x[2]
+    cdef int j, k, N
+    cdef double const0 = -(2.0 * log(2 * M_PI) + logdetV), r, base
+    cdef double x[2]
     cdef double cs, sn, c1s, s1s, tmp
     cdef double* work = _site_init(&s, 0, f, par, data, n_data, omega, Vinv, const0, NULL, NULL,
-                                   NULL, NULL, 0, 2, omega, R, T, T + 1, 0.0)
-    _acc_init(&acc, RT)
+                                   NULL, NULL, 0, 2, omega, 2, 2, 3, 0.0)
+    _acc_init(&acc, 4)
     for j in range(nr):
-        r = r_lo + 0.5 * (r_hi - r_lo) * (t[j] + 1.0)
-        if not r > 0:
+        r, N = radius[j], count[j]
+        if N < 1:
             continue
-        w = 1.0 - fade * (r - center) * (r - center)
-        N = <int> ceil(c0 + (c1 * r * r + c2 * kappa * r) * (w if w > 0.1 else 0.1))
-        N = cap if N > cap else (2 if N < 2 else N)
-        base = log(0.5 * (r_hi - r_lo) * wt[j] * r * M_PI / N)
+        base = log_weight[j] + log(M_PI / N)
         c1s, s1s = cos(M_PI / N), sin(M_PI / N)
         cs, sn = cos(0.5 * M_PI / N), sin(0.5 * M_PI / N)
         for k in range(N):
@@ -366,7 +392,7 @@ cdef inline void _polar_node(Site* s, Acc* acc, const double* x, double base) no
         acc.mx = top
     for a in range(2):
         for b in range(2):
-            wt[a][b] = exp(lw[a][b] - acc.mx) if lw[a][b] > acc.mx - 45.0 else 0.0
+            wt[a][b] = smi_exp_neg(lw[a][b] - acc.mx) if lw[a][b] > acc.mx - 45.0 else 0.0
     for a in range(2):
         wx = wt[a][0] + wt[a][1]            # mass of the terms with x reflected by a
         wh = wt[0][a] + wt[1][a]            # mass of the terms with h_2 signed by a

@@ -291,46 +291,55 @@ class ReparamChannel(Channel):
         S = np.maximum(V22 - V21 ** 2 / V11, 1e-300)
         return 1.0 / np.sqrt(1.0 / V11 + (V21 / V11) ** 2 / S) >= self.POLAR_MIN_SD
 
-    def _polar_run(self, u, omega, Vinv, logdetV, geometry, scale):
+    def _polar_rings(self, omega, V, scale):
+        """Rings of the polar rule: r by Gauss–Legendre on |ω_1| ± reach·√V₁₁ (the prior of h_1
+        below e^{-reach²/2} is left out) and N(r) = min(cap, ⌈c0 + (c1 β r² + c2 κ r) · max(0.1,
+        1 - (r - |ω_1|)²/(2 fade V₁₁))⌉) angles: c1 for the cliffs, κ = |ω_1|/V₁₁ the angular
+        concentration of the prior; the last factor lowers the count on rings where the prior
+        of h_1 is small (the trapezoid error is relative to the ring's mass).  ``scale`` multiplies
+        every count."""
         p = self.POLAR
-        lo, hi, kappa, center, fade = geometry
-        n, RT = len(omega), self.R * self.T
+        mu, var = np.linalg.norm(omega[:, 0], axis=1)[:, None], V[:, 0, 0, None]
+        lo = np.maximum(0.0, mu - p["reach"] * np.sqrt(var))
+        hi = mu + p["reach"] * np.sqrt(var)
         t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
+        r = lo + 0.5 * (hi - lo) * (t + 1.0)
+        fade = np.maximum(0.1, 1.0 - (r - mu) ** 2 / (2 * p["fade"] * var))
+        count = np.ceil(scale * (p["c0"] + (p["c1"] * self.model.beta * r ** 2 + p["c2"] * mu / var * r) * fade))
+        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int32)
+        with np.errstate(divide="ignore"):
+            log_weight = np.log(0.5 * (hi - lo) * wt * r)
+        return r, log_weight, count
+
+    def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
+        n, RT = len(omega), self.R * self.T
+        r, log_weight, count = self._polar_rings(omega, V, scale)
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         _quadrature.integrate_polar(self._node_kernel.capsule(), self.model.params, u,
-                                    omega.reshape(n, RT), Vinv, logdetV, lo, hi, kappa,
-                                    center, fade, t, wt,
-                                    p["c0"] * scale, p["c1"] * self.model.beta * scale,
-                                    p["c2"] * scale, int(p["cap"] * scale), self.R, self.T,
+                                    omega.reshape(n, RT), Vinv, logdetV, r, log_weight, count,
                                     log_z, mean, second, self.threads)
         return log_z, mean, second
 
     def _polar(self, y, omega, V, Vinv, logdetV):
-        """h_1 in polar coordinates about the origin (``_quadrature.integrate_polar``): radial
-        range |ω_1| ± reach·√V₁₁ (the prior of h_1 below e^{-reach²/2} is left out), ``nodes``
-        scales every count (default ×1 at nodes = 14).  Error: the difference to the rule with
-        counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the coarse one) up to
-        three times while the estimate is above tol."""
+        """h_1 in polar coordinates about the origin (``_quadrature.integrate_polar``, rings from
+        ``_polar_rings``); ``nodes`` scales every count (×1 at nodes = 14).  Error: the difference
+        to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
+        coarse one) up to three times while the estimate is above tol."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         ref = np.ascontiguousarray(omega.reshape(n, RT))
-        mu, sd = np.linalg.norm(omega[:, 0], axis=1), np.sqrt(V[:, 0, 0])
-        reach = self.POLAR["reach"]
-        fade = 1.0 / (2 * V[:, 0, 0] * self.POLAR["fade"]) if self.POLAR["fade"] else np.zeros(n)
-        geometry = (np.maximum(0.0, mu - reach * sd), mu + reach * sd, mu / V[:, 0, 0], mu, fade)
         scale = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
-        fine = self._polar_run(u, omega, Vinv, logdetV, geometry, scale)
+        fine = self._polar_run(u, omega, V, Vinv, logdetV, scale)
         error = np.full(n, np.nan)
         if self.error_estimate:
-            coarse = self._polar_run(u, omega, Vinv, logdetV, geometry, scale / 1.5)
+            coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         for _ in range(3 if self.tol is not None else 0):
             redo = np.flatnonzero(~(error <= self.tol))
             if not redo.size:
                 break
             scale *= 1.5
-            sub = (u[redo], omega[redo], Vinv[redo], logdetV[redo])
-            finer = self._polar_run(*sub, tuple(g[redo] for g in geometry), scale)
+            finer = self._polar_run(u[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo], scale)
             error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
                                        Vinv[redo], ref[redo])
             for a, b in zip(fine, finer):
