@@ -5,7 +5,7 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-OPENMP = {"extra_compile_args": ["-O2", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
+OPENMP = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
 
 
 class ParallelBuildExt(build_ext):

@@ -273,12 +273,14 @@ class ReparamChannel(Channel):
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
+            self._mixing_kernel = model.kernel("mixing")
             self._n_node = model.tokens + 1
         self.model_is_points = model.layers == 1
 
     # -- L = 2, T = 2: the polar rule about the cliffs' meeting point ----------------------------
-    POLAR = dict(radial=24, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0)
+    POLAR = dict(radial=24, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
     POLAR_MIN_SD = 0.2
+    POLAR_CHUNK = 256
 
     def _polar_samples(self, omega, V):
         """L = 2, T = 2 samples whose posterior over h_1 is broad: the scale of the prior of h_1
@@ -291,33 +293,72 @@ class ReparamChannel(Channel):
         S = np.maximum(V22 - V21 ** 2 / V11, 1e-300)
         return 1.0 / np.sqrt(1.0 / V11 + (V21 / V11) ** 2 / S) >= self.POLAR_MIN_SD
 
-    def _polar_rings(self, omega, V, scale):
-        """Rings of the polar rule: r by Gauss–Legendre on |ω_1| ± reach·√V₁₁ (the prior of h_1
-        below e^{-reach²/2} is left out) and N(r) = min(cap, ⌈c0 + (c1 β r² + c2 κ r) · max(0.1,
-        1 - (r - |ω_1|)²/(2 fade V₁₁))⌉) angles: c1 for the cliffs, κ = |ω_1|/V₁₁ the angular
-        concentration of the prior; the last factor lowers the count on rings where the prior
-        of h_1 is small (the trapezoid error is relative to the ring's mass).  ``scale`` multiplies
-        every count."""
-        p = self.POLAR
-        mu, var = np.linalg.norm(omega[:, 0], axis=1)[:, None], V[:, 0, 0, None]
-        lo = np.maximum(0.0, mu - p["reach"] * np.sqrt(var))
-        hi = mu + p["reach"] * np.sqrt(var)
+    def _polar_groups(self, omega, V):
+        """Samples that share the polar nodes: equal V and |ω_1| in the same cell of width
+        bin·√V₁₁.  Returns the group of each sample (0 … G-1) and |ω_1|."""
+        n = len(omega)
+        mu = np.linalg.norm(omega[:, 0], axis=1)
+        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(V[:, 0, 0])))
+        keys = np.concatenate([V.reshape(n, -1), cell[:, None]], axis=1)
+        return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
+
+    def _polar_nodes(self, omega, V, scale):
+        """The polar rule of every group (``_polar_groups``) as rows [x, log weight, Φ⁻¹, log|det Φ|]
+        (``_quadrature.integrate_polar``), and each sample's row range.  Rings: r by
+        Gauss–Legendre (``radial``·scale nodes) on [min |ω_1| - reach·√V₁₁, max |ω_1| + reach·√V₁₁]
+        over the group (the prior of h_1 below e^{-reach²/2} is left out); N(r) = min(cap·scale,
+        ⌈scale (c0 + (c1 β r² + c2 κ r) · max(0.1, 1 - d(r)²/(2 fade V₁₁)))⌉) angles, midpoint
+        rule on [0, π): c1 for the cliffs, κ = max |ω_1|/V₁₁ the angular concentration of the
+        prior, d(r) the distance of r to the group's |ω_1| (fewer angles where the prior of h_1
+        is small: the trapezoid error is relative to the ring's mass)."""
+        p, n = self.POLAR, len(omega)
+        group, mu = self._polar_groups(omega, V)
+        G = group.max() + 1
+        lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
+        np.minimum.at(lo, group, mu)
+        np.maximum.at(hi, group, mu)
+        var = np.empty(G)
+        var[group] = V[:, 0, 0]
+        sd = np.sqrt(var)
         t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
-        r = lo + 0.5 * (hi - lo) * (t + 1.0)
-        fade = np.maximum(0.1, 1.0 - (r - mu) ** 2 / (2 * p["fade"] * var))
-        count = np.ceil(scale * (p["c0"] + (p["c1"] * self.model.beta * r ** 2 + p["c2"] * mu / var * r) * fade))
-        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int32)
-        with np.errstate(divide="ignore"):
-            log_weight = np.log(0.5 * (hi - lo) * wt * r)
-        return r, log_weight, count
+        a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
+        r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
+        dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
+        fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * var[:, None]))
+        count = np.ceil(scale * (p["c0"] + (p["c1"] * self.model.beta * r ** 2
+                                            + p["c2"] * (hi / var)[:, None] * r) * fade))
+        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int64).ravel()
+        ring = np.repeat(np.arange(count.size), count)
+        k = np.arange(ring.size) - np.repeat(np.cumsum(count) - count, count)
+        N = count[ring]
+        theta = (k + 0.5) * np.pi / N
+        radius = r.ravel()[ring]
+        x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
+        mix = self._mixing_kernel(x, self.model.params)
+        phi, logdet = mix[:, :4].reshape(-1, 2, 2), mix[:, 4]
+        det = phi[:, 0, 0] * phi[:, 1, 1] - phi[:, 0, 1] * phi[:, 1, 0]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.stack([phi[:, 1, 1], -phi[:, 0, 1], -phi[:, 1, 0], phi[:, 0, 0]], 1) / det[:, None]
+            log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
+        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], inv, logdet[:, None]], axis=1))
+        per_group = np.bincount(ring // r.shape[1], minlength=G)
+        stop = np.cumsum(per_group)
+        return nodes, np.ascontiguousarray((stop - per_group)[group]), np.ascontiguousarray(stop[group])
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
+        """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
+        when few samples share a V)."""
         n, RT = len(omega), self.R * self.T
-        r, log_weight, count = self._polar_rings(omega, V, scale)
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
-        _quadrature.integrate_polar(self._node_kernel.capsule(), self.model.params, u,
-                                    omega.reshape(n, RT), Vinv, logdetV, r, log_weight, count,
-                                    log_z, mean, second, self.threads)
+        group = self._polar_groups(omega, V)[0]
+        for first in range(0, group.max() + 1, self.POLAR_CHUNK):
+            idx = np.flatnonzero((group >= first) & (group < first + self.POLAR_CHUNK))
+            nodes, start, stop = self._polar_nodes(omega[idx], V[idx], scale)
+            out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
+            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
+                                        start, stop, nodes, *out, self.threads)
+            for a, b in zip((log_z, mean, second), out):
+                a[idx] = b
         return log_z, mean, second
 
     def _polar(self, y, omega, V, Vinv, logdetV):
