@@ -43,7 +43,8 @@ def draws(model, q, n, rng, noise):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--timing-samples", type=int, default=500)
+    p.add_argument("--timing-samples", type=int, default=4096,
+                   help="a state-evolution batch: samples with the same V share the L = 2 nodes")
     p.add_argument("--reference-samples", type=int, default=6)
     p.add_argument("--l3-reference-samples", type=int, default=3,
                    help="L = 3 references take 10-45 s each")

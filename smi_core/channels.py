@@ -24,7 +24,10 @@ across the lines a = 0, b = 0 and a = b, on a scale ≈ 1/(β|h_1|) — near-cli
 which Gauss–Hermite converges only algebraically.  All three lines meet at h_1 = 0, so in polar
 coordinates about the origin they only make the angular integrand vary fast, and the periodic
 trapezoid rule in θ converges geometrically whatever their width; the count per ring grows
-with β r².  One kernel call serves x and -x (Φ is even in h_1).  Samples whose posterior over
+with β r².  The nodes depend on the sample only through V and |ω_1|, so samples with the same V
+and close |ω_1| (state evolution, GAMP: V is shared) share them: Φ⁽¹⁾⁻¹ and log|det Φ⁽¹⁾| are
+computed once per node, and each sample adds only h_2 = Φ⁽¹⁾⁻¹u_L and the four terms (±x, ±h_2;
+Φ is even in h_1, so the nodes cover a half plane).  Samples whose posterior over
 h_1 is narrow (``ReparamChannel.POLAR_MIN_SD``) keep the Laplace rule, on which the cliffs are
 smooth.  The prior component of the partition sits e^-40 below the highest mode: its rule is
 on the prior's scale and cannot resolve a narrow posterior, and with a near-singular V the
@@ -278,7 +281,7 @@ class ReparamChannel(Channel):
         self.model_is_points = model.layers == 1
 
     # -- L = 2, T = 2: the polar rule about the cliffs' meeting point ----------------------------
-    POLAR = dict(radial=24, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
+    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = 256
 
