@@ -302,6 +302,8 @@ class ReparamChannel(Channel):
         n = len(omega)
         mu = np.linalg.norm(omega[:, 0], axis=1)
         cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(V[:, 0, 0])))
+        if (V == V[0]).all():                   # one V (state evolution, GAMP): by cell only
+            return np.unique(cell, return_inverse=True)[1].ravel(), mu
         keys = np.concatenate([V.reshape(n, -1), cell[:, None]], axis=1)
         return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
 

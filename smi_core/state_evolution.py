@@ -12,7 +12,8 @@ Sobol points); the standard error of every reported average is the spread of its
 over √BLOCKS.  The same draws are used at every iteration (common random numbers), so the
 iteration is a deterministic map (accelerated, see _Anderson); it stops when the distance to its
 fixed point, estimated as |G(q) − q| / (1 − ρ̂) (ρ̂ the map's contraction over the last steps),
-is below ``tol``.
+is below ``tol``, or when the iterates stagnate within a band narrower than ``tol`` without a
+monotone drift (the floor of the channel's quadrature noise, see _stagnated).
 
 Free entropy at (q, q̂):
 
@@ -241,7 +242,7 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
     for it in range(1, max_iter + 1):
         q_hat, q_hat_err, log_z, log_z_err = problem.step(q, alpha)
         mix.push(q, damping * q + (1 - damping) * problem.update(q_hat))
-        converged = mix.distance() < tol
+        converged = mix.distance() < tol or _stagnated(trajectory, tol)
         if converged or it == max_iter:
             break
         q = _project(mix.next().reshape(q.shape))
@@ -257,6 +258,21 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
                     q_stderr=(1 - damping) * inv @ q_hat_err @ inv / (1 - rho),
                     free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
                     plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label)
+
+
+def _stagnated(trajectory, tol: float, window: int = 6) -> bool:
+    """The iterates have stopped moving: over the last ``window`` steps every entry of q stays in
+    a band narrower than ``tol`` without a monotone drift.  The map is then at the floor of its
+    own quadrature noise (a channel accurate to ε moves G(q) by ≈ ε between nearby q, so
+    |G(q) − q| cannot fall below it), and a non-monotone sequence brackets its fixed point to
+    within the band."""
+    if len(trajectory) < window:
+        return False
+    last = np.array(trajectory[-window:]).reshape(window, -1)
+    step = np.diff(last, axis=0)
+    monotone = (step >= 0).all(axis=0) | (step <= 0).all(axis=0)
+    band = last.max(axis=0) - last.min(axis=0)
+    return bool((band < tol).all() and not (monotone & (band > 0)).any())
 
 
 class _Anderson:

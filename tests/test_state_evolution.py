@@ -216,3 +216,18 @@ def test_cli_se_bad_alphas_is_a_clear_error(capsys):
     from smi_core.cli import main
     assert main(["se", "--alphas", "0:1", "--quiet"]) == 2
     assert "--alphas" in capsys.readouterr().err
+
+
+def test_stagnation_needs_a_narrow_band_without_drift():
+    """SE stops at the channel's noise floor: iterates jittering within tol (no monotone entry)
+    count as converged; a slow monotone drift within tol or a jitter wider than tol do not."""
+    from smi_core.state_evolution import _stagnated
+    rng = np.random.default_rng(0)
+    base = np.diag([0.3, 0.6])
+    jitter = [base + 2e-5 * rng.standard_normal((2, 2)) for _ in range(6)]
+    assert _stagnated(jitter, 1e-4)
+    assert not _stagnated(jitter, 1e-5)
+    drift = [base + 1e-5 * k * np.eye(2) + 1e-6 * rng.standard_normal((2, 2)) * np.array([[0, 1], [1, 0]])
+             for k in range(6)]
+    assert not _stagnated(drift, 1e-4)
+    assert not _stagnated(jitter[:5], 1e-4)
