@@ -328,7 +328,7 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
 cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, const double* x,
                              const double* h, double lc) noexcept nogil:
     """Route 0, L = 2, T = 2, x = h_1: the four terms Z = [±x; ±h_2] (layer 1 row reflected,
-    sign of u_L), each e^lc N-quadratic-form weighted, added to ``acc`` about ref = ω.
+    sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about ref = ω.
     With P = V⁻¹, dx_± = ±x - ω₁, dh_± = ±h_2 - ω₂:  Q(s, σ) = P₁₁|dx_s|² + 2P₁₂ dx_s·dh_σ +
     P₂₂|dh_σ|², and the moment sums split into the (x, x), (h, h) and (x, h) blocks, so the four
     terms cost little more than one."""

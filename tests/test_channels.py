@@ -406,6 +406,26 @@ def se_batch(layers, n, q, rng, noise=None):
     return y, omega, V
 
 
+def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch):
+    """Two-layer polar rule: a state-evolution batch (one V) shares nodes between samples with
+    close |ω_1|; each sample computed alone (its own rule) agrees to the rule's accuracy, and
+    processing the groups in chunks changes nothing."""
+    from smi_core.channels import ReparamChannel
+    y, omega, V = se_batch(2, 48, 0.5 * np.eye(2), np.random.default_rng(3))
+    ch = model(2).channel(error_estimate=False)
+    assert ch._polar_samples(omega, np.broadcast_to(V, (48, 2, 2))).all()
+    groups = ch._polar_groups(omega, np.broadcast_to(V, (48, 2, 2)))[0]
+    assert 1 < groups.max() + 1 < 48                       # some sharing, several groups
+    batch = ch.moments(y, omega, V)
+    for i in range(0, 48, 6):
+        alone = ch.moments(y[i:i + 1], omega[i:i + 1], V)
+        assert ref.metric(batch.g_out[i], batch.dg_out[i], alone.g_out[0], alone.dg_out[0]) < 1e-6
+    monkeypatch.setattr(ReparamChannel, "POLAR_CHUNK", 3)
+    chunked = ch.moments(y, omega, V)
+    np.testing.assert_array_equal(chunked.g_out, batch.g_out)
+    np.testing.assert_array_equal(chunked.dg_out, batch.dg_out)
+
+
 IDENTITY_CASES = {
     "L1": (1, np.array([[0.6]]), None, None),
     "L2-scalar": (2, 0.5 * np.eye(2), None, 1e-4),
