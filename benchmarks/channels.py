@@ -7,7 +7,7 @@ Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z
 Targets (issue 3): two-layer T = 2 route "reparam" ≤ 50 µs per sample at ≤ 1e-6; three-layer
 T = 2 ≤ 2 ms per sample at ≤ 1e-4.
 
-    python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...]
+    python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
                                   [--l3-reference-samples K3] [--l3-timing-samples N3]
 """
 import argparse
@@ -51,11 +51,14 @@ def main():
     p.add_argument("--l3-timing-samples", type=int, default=40,
                    help="L = 3 with tol takes up to ≈ 0.5 s per sample")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     a = p.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'route':8s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
     for route, L, T, noise, reference, settings in CASES:
+        if L not in a.layers:
+            continue
         model = DeepAttention(L, T, threads=1)
         for q in a.q:
             y, omega, V = draws(model, q, a.l3_timing_samples if L == 3 else a.timing_samples, rng, noise)

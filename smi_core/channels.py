@@ -281,7 +281,7 @@ class ReparamChannel(Channel):
         self.model_is_points = model.layers == 1
 
     # -- L = 2, T = 2: the polar rule about the cliffs' meeting point ----------------------------
-    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=2.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
+    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = 256
 
@@ -312,10 +312,12 @@ class ReparamChannel(Channel):
         (``_quadrature.integrate_polar``), and each sample's row range.  Rings: r by
         Gauss–Legendre (``radial``·scale nodes) on [min |ω_1| - reach·√V₁₁, max |ω_1| + reach·√V₁₁]
         over the group (the prior of h_1 below e^{-reach²/2} is left out); N(r) = min(cap·scale,
-        ⌈scale (c0 + (c1 β r² + c2 κ r) · max(0.1, 1 - d(r)²/(2 fade V₁₁)))⌉) angles, midpoint
-        rule on [0, π): c1 for the cliffs, κ = max |ω_1|/V₁₁ the angular concentration of the
-        prior, d(r) the distance of r to the group's |ω_1| (fewer angles where the prior of h_1
-        is small: the trapezoid error is relative to the ring's mass)."""
+        ⌈scale (c0 + (c1 β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V₁₁)))⌉) angles,
+        midpoint rule on [0, π): c1 for the cliffs; k = κr with κ = max |ω_1|/V₁₁, the
+        concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)} (a trapezoid rule needs ∝ k
+        points for small k, ∝ √k for large); d(r) the distance of r to the group's |ω_1| (fewer
+        angles where the prior of h_1 is small: the trapezoid error is relative to the ring's
+        mass)."""
         p, n = self.POLAR, len(omega)
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
@@ -330,8 +332,9 @@ class ReparamChannel(Channel):
         r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
         dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
         fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * var[:, None]))
+        kr = (hi / var)[:, None] * r                 # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
         count = np.ceil(scale * (p["c0"] + (p["c1"] * self.model.beta * r ** 2
-                                            + p["c2"] * (hi / var)[:, None] * r) * fade))
+                                            + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
         count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int64).ravel()
         ring = np.repeat(np.arange(count.size), count)
         k = np.arange(ring.size) - np.repeat(np.cumsum(count) - count, count)
