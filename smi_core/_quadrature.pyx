@@ -27,6 +27,9 @@ from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, isfinite
 from libc.stdlib cimport malloc, free
 from openmp cimport omp_get_max_threads
 
+cdef enum:
+    POLAR_MAX_LAYERS = 3     # integrate_polar: T = 2, up to two integrated layers
+
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
 
 cdef extern from *:
@@ -292,42 +295,140 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const long[::1] start, const long[::1] stop, const double[:, ::1] nodes,
                     double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                     int threads=0):
-    """Route 0 with x = h_1 ∈ R² (L = 2, T = 2), on nodes shared by groups of samples: sample i
-    uses rows start[i]:stop[i] of ``nodes`` = [x (2), log weight, Φ⁻¹ (2×2, row-major),
-    log|det Φ|] (Φ = Φ⁽¹⁾(x), computed once per node for the whole group), and its own u_L, ω,
-    V⁻¹: h_2 = Φ⁻¹u_L, and the integrand Σ_± N([±x; ±h_2]; ω, V)/|det Φ| is folded over the
-    reflection x → -x (Φ is even), so the nodes cover a half plane.  Terms below e^-45 of the
-    running maximum are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
+    """Route 0 with T = 2 and x = h_{<L} ∈ R^{2(L-1)} (L = 2 or 3), on nodes shared by groups of
+    samples: sample i uses rows start[i]:stop[i] of ``nodes`` = [x (2(L-1)), log weight, Φ⁻¹
+    (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x), computed once per node for the whole group),
+    and its own u_L, ω, V⁻¹: h_L = Φ⁻¹u_L, and the integrand Σ_± N([x; ±h_L]; ω, V)/|det Φ| is
+    folded over every reflection h_ℓ → -h_ℓ (Φ is even in each earlier layer), so each layer's
+    nodes cover a half plane and every node carries 2^L terms.  Terms below e^-45 of the running
+    maximum are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
     cdef Py_ssize_t n = omega.shape[0], i
+    cdef int L = Vinv.shape[1]
     if threads <= 0:
         threads = omp_get_max_threads()
+    if not (2 <= L <= POLAR_MAX_LAYERS and nodes.shape[1] == 2 * L + 4):
+        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and rows of 2L + 4 values")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i],
+            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L,
                           &nodes[start[i], 0], stop[i] - start[i],
                           &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
+
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        const double* nodes, Py_ssize_t K,
+                        int L, const double* nodes, Py_ssize_t K,
                         double* log_z, double* mean, double* second) noexcept nogil:
     cdef Acc acc
     cdef Py_ssize_t k
     cdef const double* nd
     cdef double h[2]
-    cdef double const0 = -(2.0 * log(2 * M_PI) + logdetV)
-    _acc_init(&acc, 4)
-    for k in range(K):
-        nd = nodes + 8 * k
-        h[0] = nd[3] * u[0] + nd[4] * u[1]
-        h[1] = nd[5] * u[0] + nd[6] * u[1]
-        _polar_node(&acc, omega, Vinv, nd, h, const0 + nd[2] - nd[7])
+    cdef double const0 = -(L * log(2 * M_PI) + logdetV)
+    _acc_init(&acc, 2 * L)
+    if L == 2:
+        for k in range(K):
+            nd = nodes + 8 * k
+            h[0] = nd[3] * u[0] + nd[4] * u[1]
+            h[1] = nd[5] * u[0] + nd[6] * u[1]
+            _polar_node2(&acc, omega, Vinv, nd, h, const0 + nd[2] - nd[7])
+    else:
+        for k in range(K):
+            nd = nodes + 10 * k
+            h[0] = nd[5] * u[0] + nd[6] * u[1]
+            h[1] = nd[7] * u[0] + nd[8] * u[1]
+            _polar_node(&acc, omega, Vinv, 3, nd, h, const0 + nd[4] - nd[9])   # constant L: unrolled
     _acc_finish(&acc, log_z, mean, second)
 
 
-cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, const double* x,
+cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, int L, const double* x,
                              const double* h, double lc) noexcept nogil:
-    """Route 0, L = 2, T = 2, x = h_1: the four terms Z = [±x; ±h_2] (layer 1 row reflected,
+    """Route 0, T = 2: the 2^L terms Z = [s_1 x_1; …; s_{L-1} x_{L-1}; s_L h_L] (each earlier
+    layer's row reflected or not, sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about
+    ref = ω.  With P = V⁻¹ and d_a(s) = s z_a - ω_a:  Q(s) = Σ_a P_aa |d_a(s_a)|² +
+    2 Σ_{a<b} P_ab d_a(s_a)·d_b(s_b); the moment sums split into layer blocks, each needing only
+    the total weight of the terms with given (s_a) or (s_a, s_b), so 2^L terms cost little more
+    than one."""
+    cdef double d[POLAR_MAX_LAYERS][2][2]
+    cdef double sq[POLAR_MAX_LAYERS][2]
+    cdef double cr[POLAR_MAX_LAYERS][POLAR_MAX_LAYERS][2][2]
+    cdef double lw[1 << POLAR_MAX_LAYERS]
+    cdef double Wa[POLAR_MAX_LAYERS][2]
+    cdef double Wab[POLAR_MAX_LAYERS][POLAR_MAX_LAYERS][2][2]
+    cdef double top, scale, wt, total, c0, c1
+    cdef int a, b, s, r, t, p, n = 2 * L, P = 1 << L
+    cdef const double* z
+    if not (isfinite(h[0]) and isfinite(h[1]) and isfinite(lc)):
+        return                              # det Φ = 0: the Gaussian factor vanishes there
+    for a in range(L):
+        z = h if a == L - 1 else x + 2 * a
+        for t in range(2):
+            d[a][0][t] = z[t] - om[2 * a + t]
+            d[a][1][t] = -z[t] - om[2 * a + t]
+        for s in range(2):
+            sq[a][s] = Vinv[a * L + a] * (d[a][s][0] * d[a][s][0] + d[a][s][1] * d[a][s][1])
+        for b in range(a):
+            for s in range(2):
+                for r in range(2):
+                    cr[b][a][s][r] = 2.0 * Vinv[a * L + b] * (d[b][s][0] * d[a][r][0] + d[b][s][1] * d[a][r][1])
+    top = -INFINITY
+    for p in range(P):
+        lw[p] = 0.0
+        for a in range(L):
+            lw[p] += sq[a][(p >> a) & 1]
+            for b in range(a):
+                lw[p] += cr[b][a][(p >> b) & 1][(p >> a) & 1]
+        lw[p] = lc - 0.5 * lw[p]
+        if lw[p] > top:
+            top = lw[p]
+    if not top > acc.mx - 45.0:
+        return
+    if top > acc.mx:
+        scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
+        acc.s0 *= scale
+        for a in range(n):
+            acc.s1[a] *= scale
+        for a in range(n * n):
+            acc.s2[a] *= scale
+        acc.mx = top
+    for a in range(L):
+        Wa[a][0] = Wa[a][1] = 0.0
+        for b in range(a):
+            Wab[b][a][0][0] = Wab[b][a][0][1] = Wab[b][a][1][0] = Wab[b][a][1][1] = 0.0
+    total = 0.0
+    for p in range(P):
+        wt = smi_exp_neg(lw[p] - acc.mx)
+        total += wt
+        for a in range(L):
+            Wa[a][(p >> a) & 1] += wt
+            for b in range(a):
+                Wab[b][a][(p >> b) & 1][(p >> a) & 1] += wt
+    acc.s0 += total
+    for a in range(L):
+        for s in range(2):
+            acc.s1[2 * a] += Wa[a][s] * d[a][s][0]
+            acc.s1[2 * a + 1] += Wa[a][s] * d[a][s][1]
+            acc.s2[(2 * a) * n + 2 * a] += Wa[a][s] * d[a][s][0] * d[a][s][0]
+            acc.s2[(2 * a) * n + 2 * a + 1] += Wa[a][s] * d[a][s][0] * d[a][s][1]
+            acc.s2[(2 * a + 1) * n + 2 * a + 1] += Wa[a][s] * d[a][s][1] * d[a][s][1]
+        for b in range(a):              # block (b, a), b < a: rows of layer b, columns of layer a
+            for s in range(2):
+                c0 = Wab[b][a][s][0] * d[b][s][0]
+                c1 = Wab[b][a][s][0] * d[b][s][1]
+                acc.s2[(2 * b) * n + 2 * a] += c0 * d[a][0][0]
+                acc.s2[(2 * b) * n + 2 * a + 1] += c0 * d[a][0][1]
+                acc.s2[(2 * b + 1) * n + 2 * a] += c1 * d[a][0][0]
+                acc.s2[(2 * b + 1) * n + 2 * a + 1] += c1 * d[a][0][1]
+                c0 = Wab[b][a][s][1] * d[b][s][0]
+                c1 = Wab[b][a][s][1] * d[b][s][1]
+                acc.s2[(2 * b) * n + 2 * a] += c0 * d[a][1][0]
+                acc.s2[(2 * b) * n + 2 * a + 1] += c0 * d[a][1][1]
+                acc.s2[(2 * b + 1) * n + 2 * a] += c1 * d[a][1][0]
+                acc.s2[(2 * b + 1) * n + 2 * a + 1] += c1 * d[a][1][1]
+
+
+cdef inline void _polar_node2(Acc* acc, const double* om, const double* Vinv, const double* x,
+                             const double* h, double lc) noexcept nogil:
+    """Route 0, L = 2, T = 2, x = h_1 (``_polar_node`` written out for L = 2: 20 % faster): the four terms Z = [±x; ±h_2] (layer 1 row reflected,
     sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about ref = ω.
     With P = V⁻¹, dx_± = ±x - ω₁, dh_± = ±h_2 - ω₂:  Q(s, σ) = P₁₁|dx_s|² + 2P₁₂ dx_s·dh_σ +
     P₂₂|dh_σ|², and the moment sums split into the (x, x), (h, h) and (x, h) blocks, so the four

@@ -280,60 +280,62 @@ class ReparamChannel(Channel):
             self._n_node = model.tokens + 1
         self.model_is_points = model.layers == 1
 
-    # -- L = 2, T = 2: the polar rule about the cliffs' meeting point ----------------------------
+    # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point ----------------------
     POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
     POLAR_MIN_SD = 0.2
-    POLAR_CHUNK = 256
+    POLAR_CHUNK = {2: 256, 3: 8}        # groups per pass (bounded memory: L = 3 has ≈ 10⁴–10⁵ nodes each)
+    POLAR_SCALE = {2: 1.0, 3: 0.5}      # node counts at the default ``nodes``
 
     def _polar_samples(self, omega, V):
-        """L = 2, T = 2 samples whose posterior over h_1 is broad: the scale of the prior of h_1
-        conditioned on h_2 (the likelihood pins h_2 on a plateau of Φ), sd² = 1 / (1/V₁₁ +
-        (V₂₁/V₁₁)²/S), S = V₂₂ - V₂₁²/V₁₁, at least POLAR_MIN_SD.  Narrower posteriors keep the
+        """T = 2, L ∈ {2, 3} samples whose posterior over every earlier layer is broad: the sd of
+        the prior of h_ℓ conditioned on the other layers (the likelihood pins h_L on a plateau
+        of Φ), 1/√(V⁻¹)_ℓℓ, at least POLAR_MIN_SD for every ℓ < L.  Narrower posteriors keep the
         Laplace-centred Gauss–Hermite rule (the softmax cliffs are then smooth on their scale)."""
-        if self.model.layers != 2 or self.T != 2:
+        L = self.model.layers
+        if L not in self.POLAR_CHUNK or self.T != 2:
             return np.zeros(len(omega), dtype=bool)
-        V11, V21, V22 = V[:, 0, 0], V[:, 1, 0], V[:, 1, 1]
-        S = np.maximum(V22 - V21 ** 2 / V11, 1e-300)
-        return 1.0 / np.sqrt(1.0 / V11 + (V21 / V11) ** 2 / S) >= self.POLAR_MIN_SD
+        prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)[:, :L - 1]
+        return (1.0 / np.sqrt(prec) >= self.POLAR_MIN_SD).all(axis=1)
 
     def _polar_groups(self, omega, V):
-        """Samples that share the polar nodes: equal V and |ω_1| in the same cell of width
-        bin·√V₁₁.  Returns the group of each sample (0 … G-1) and |ω_1|."""
-        n = len(omega)
-        mu = np.linalg.norm(omega[:, 0], axis=1)
-        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(V[:, 0, 0])))
-        if (V == V[0]).all():                   # one V (state evolution, GAMP): by cell only
-            return np.unique(cell, return_inverse=True)[1].ravel(), mu
-        keys = np.concatenate([V.reshape(n, -1), cell[:, None]], axis=1)
+        """Samples that share the polar nodes: equal V and, for every earlier layer ℓ, |ω_ℓ| in
+        the same cell of width bin·√V_ℓℓ.  Returns the group of each sample (0 … G-1) and the
+        |ω_ℓ| (n, L-1)."""
+        n, L = len(omega), self.model.layers
+        mu = np.linalg.norm(omega[:, :L - 1], axis=2)
+        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(np.diagonal(V, axis1=1, axis2=2)[:, :L - 1])))
+        if (V == V[0]).all():                   # one V (state evolution, GAMP): by cells only
+            key = np.ravel_multi_index(cell.T.astype(np.int64), tuple(cell.max(axis=0).astype(np.int64) + 1))
+            return np.unique(key, return_inverse=True)[1].ravel(), mu     # (1-D: 10× faster than rows)
+        keys = np.concatenate([V.reshape(n, -1), cell], axis=1)
         return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
 
-    def _polar_nodes(self, omega, V, scale):
-        """The polar rule of every group (``_polar_groups``) as rows [x, log weight, Φ⁻¹, log|det Φ|]
-        (``_quadrature.integrate_polar``), and each sample's row range.  Rings: r by
-        Gauss–Legendre (``radial``·scale nodes) on [min |ω_1| - reach·√V₁₁, max |ω_1| + reach·√V₁₁]
-        over the group (the prior of h_1 below e^{-reach²/2} is left out); N(r) = min(cap·scale,
-        ⌈scale (c0 + (c1 β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V₁₁)))⌉) angles,
-        midpoint rule on [0, π): c1 for the cliffs; k = κr with κ = max |ω_1|/V₁₁, the
-        concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)} (a trapezoid rule needs ∝ k
-        points for small k, ∝ √k for large); d(r) the distance of r to the group's |ω_1| (fewer
-        angles where the prior of h_1 is small: the trapezoid error is relative to the ring's
-        mass)."""
-        p, n = self.POLAR, len(omega)
-        group, mu = self._polar_groups(omega, V)
+    def _polar_rings(self, group, mu, var, scale, amp):
+        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale nodes)
+        on [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (the prior of h_ℓ
+        below e^{-reach²/2} is left out); N(r) = min(cap·scale, ⌈scale (c0 + (c1 amp β r² +
+        c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉) angles, midpoint rule on
+        [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much Φ⁽ℓ⁻¹⁾ stretches h_ℓ
+        into the logits); k = κr with κ = max |ω_ℓ|/V_ℓℓ, the concentration of the prior on the
+        ring, ∝ e^{k cos(θ - θ₀)} (a trapezoid rule needs ∝ k points for small k, ∝ √k for
+        large); d(r) the distance of r to the group's |ω_ℓ| (fewer angles where the prior is
+        small: the trapezoid error is relative to the ring's mass).  Returns the nodes (M, 2),
+        their log weights and their group, sorted by group."""
+        p = self.POLAR
         G = group.max() + 1
         lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
         np.minimum.at(lo, group, mu)
         np.maximum.at(hi, group, mu)
-        var = np.empty(G)
-        var[group] = V[:, 0, 0]
-        sd = np.sqrt(var)
+        v = np.empty(G)
+        v[group] = var
+        sd = np.sqrt(v)
         t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
         a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
         r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
         dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
-        fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * var[:, None]))
-        kr = (hi / var)[:, None] * r                 # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
-        count = np.ceil(scale * (p["c0"] + (p["c1"] * self.model.beta * r ** 2
+        fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))
+        kr = (hi / v)[:, None] * r                   # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
+        count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * self.model.beta * r ** 2
                                             + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
         count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int64).ravel()
         ring = np.repeat(np.arange(count.size), count)
@@ -342,25 +344,44 @@ class ReparamChannel(Channel):
         theta = (k + 0.5) * np.pi / N
         radius = r.ravel()[ring]
         x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
+        log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
+        return x, log_w, ring // r.shape[1]
+
+    def _polar_nodes(self, omega, V, scale):
+        """The polar rule of every group (``_polar_groups``): the product over the earlier layers
+        of each layer's rings (``_polar_rings``), as rows [x = h_{<L}, log weight, Φ⁻¹, log|det Φ|]
+        (``_quadrature.integrate_polar``; Φ = Φ⁽ᴸ⁻¹⁾(x) by the generated mixing kernel, once per
+        node for the whole group), and each sample's row range."""
+        L = self.model.layers
+        group, mu = self._polar_groups(omega, V)
+        G = group.max() + 1
+        layers = [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
+                  for l in range(L - 1)]
+        xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
+        for g in range(G):                          # product of the layers' rules, group by group
+            parts = [(x[own == g], lw[own == g]) for x, lw, own in layers]
+            grids = np.meshgrid(*[np.arange(len(lw)) for _, lw in parts], indexing="ij")
+            xs.append(np.concatenate([x[i.ravel()] for (x, _), i in zip(parts, grids)], axis=1))
+            lws.append(sum(lw[i.ravel()] for (_, lw), i in zip(parts, grids)))
+            counts[g] = len(lws[-1])
+        x, log_w = np.concatenate(xs), np.concatenate(lws)
         mix = self._mixing_kernel(x, self.model.params)
         phi, logdet = mix[:, :4].reshape(-1, 2, 2), mix[:, 4]
         det = phi[:, 0, 0] * phi[:, 1, 1] - phi[:, 0, 1] * phi[:, 1, 0]
         with np.errstate(divide="ignore", invalid="ignore"):
             inv = np.stack([phi[:, 1, 1], -phi[:, 0, 1], -phi[:, 1, 0], phi[:, 0, 0]], 1) / det[:, None]
-            log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
         nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], inv, logdet[:, None]], axis=1))
-        per_group = np.bincount(ring // r.shape[1], minlength=G)
-        stop = np.cumsum(per_group)
-        return nodes, np.ascontiguousarray((stop - per_group)[group]), np.ascontiguousarray(stop[group])
+        stop = np.cumsum(counts)
+        return nodes, np.ascontiguousarray((stop - counts)[group]), np.ascontiguousarray(stop[group])
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
         when few samples share a V)."""
         n, RT = len(omega), self.R * self.T
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
-        group = self._polar_groups(omega, V)[0]
-        for first in range(0, group.max() + 1, self.POLAR_CHUNK):
-            idx = np.flatnonzero((group >= first) & (group < first + self.POLAR_CHUNK))
+        group, chunk = self._polar_groups(omega, V)[0], self.POLAR_CHUNK[self.model.layers]
+        for first in range(0, group.max() + 1, chunk):
+            idx = np.flatnonzero((group >= first) & (group < first + chunk))
             nodes, start, stop = self._polar_nodes(omega[idx], V[idx], scale)
             out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
             _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
@@ -371,13 +392,15 @@ class ReparamChannel(Channel):
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """h_1 in polar coordinates about the origin (``_quadrature.integrate_polar``, rings from
-        ``_polar_rings``); ``nodes`` scales every count (×1 at nodes = 14).  Error: the difference
+        ``_polar_rings``); ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L],
+        d = 2(L - 1)).  Error: the difference
         to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
         coarse one) up to three times while the estimate is above tol."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         ref = np.ascontiguousarray(omega.reshape(n, RT))
-        scale = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
+        d = 2 * (self.model.layers - 1)
+        scale = (self.nodes or DEFAULT_NODES[d]) / DEFAULT_NODES[d] * self.POLAR_SCALE[self.model.layers]
         fine = self._polar_run(u, omega, V, Vinv, logdetV, scale)
         error = np.full(n, np.nan)
         if self.error_estimate:
