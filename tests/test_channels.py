@@ -329,11 +329,38 @@ def check_l3(d, n=5, ref_tol=REF_TOL_L3):
     compare("L=3", channel(3), d, ref.reparam_l3(d.y, d.omega, d.V, n=n), RTOL_L3, ref_tol)
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): L = 3 at q ≈ 0 reaches ≈ 1e-4 only at the max_regions bound of the adaptive cubature")
 @examples(1)
 @given(data=st.data())
 def test_reparam_l3_state_evolution_draws(data):
     check_l3(data.draw(se_draws(3, correlated=data.draw(st.booleans()))))
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3])
+def test_reparam_l3_default_polar_rule(q):
+    """The default three-layer rule (polar in h_1 and h_2, no tol) on a state-evolution draw at
+    overlap q·I: within 1e-3 of the reference (measured ≤ 3e-4 on 24 draws at q = 0 … 0.9)."""
+    y, omega, V = se_batch(3, 1, q * np.eye(3), np.random.default_rng(12))
+    ch = model(3).channel()
+    assert ch._polar_samples(omega, V[None]).all()
+    m = ch.moments(y, omega, V)
+    r = ref.reparam_l3(y[0], omega[0], V, n=5)
+    assert r.error <= 1e-4                  # ten times below the tolerance checked
+    assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= 1e-3
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (issue 3 open): the last layer pinned (V_LL = 1e-3) while "
+                   "h_1 is broad: the posterior over h_1 is a set of narrow peaks that neither the polar rule "
+                   "nor the Laplace rule resolves at default settings (measured metric 39 and 38; 3e-3 with "
+                   "tol=1e-6); needs coordinates on h_L (see README, 'Where the channel is not accurate')")
+def test_reparam_l2_pinned_last_layer():
+    Z = np.array([[-0.19224071152595104, -0.8137724218420405], [1.4154566200488867, -1.056339817648993]])
+    omega = np.array([[0.0, 0.0], [1.367866004494648, -1.0771362174117753]])
+    V = np.diag([1.0, 1e-3])
+    y = model(2).forward(Z[None])
+    r = ref.reparam_l2(y[0], omega, V)
+    m = model(2).channel().moments(y, omega[None], V)
+    assert r.error <= REF_TOL
+    assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= 1e-4
 
 
 @pytest.mark.slow
@@ -406,20 +433,22 @@ def se_batch(layers, n, q, rng, noise=None):
     return y, omega, V
 
 
-def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch):
-    """Two-layer polar rule: a state-evolution batch (one V) shares nodes between samples with
-    close |ω_1|; each sample computed alone (its own rule) agrees to the rule's accuracy, and
-    processing the groups in chunks changes nothing."""
+@pytest.mark.parametrize("layers, n, tol", [(2, 48, 1e-6), (3, 96, 1e-4)])
+def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers, n, tol):
+    """Polar rule (two and three layers): a state-evolution batch (one V) shares nodes between
+    samples with close |ω_ℓ|; each sample computed alone (its own rule) agrees to the rule's
+    accuracy, and processing the groups in chunks changes nothing."""
     from smi_core.channels import ReparamChannel
-    y, omega, V = se_batch(2, 48, 0.5 * np.eye(2), np.random.default_rng(3))
-    ch = model(2).channel(error_estimate=False)
-    assert ch._polar_samples(omega, np.broadcast_to(V, (48, 2, 2))).all()
-    groups = ch._polar_groups(omega, np.broadcast_to(V, (48, 2, 2)))[0]
-    assert 1 < groups.max() + 1 < 48                       # some sharing, several groups
+    y, omega, V = se_batch(layers, n, 0.5 * np.eye(layers), np.random.default_rng(3))
+    ch = model(layers).channel(error_estimate=False)
+    Vn = np.broadcast_to(V, (n, layers, layers))
+    assert ch._polar_samples(omega, Vn).all()
+    groups = ch._polar_groups(omega, Vn)[0]
+    assert np.bincount(groups).max() > 1 and groups.max() > 0     # some sharing, several groups
     batch = ch.moments(y, omega, V)
-    for i in range(0, 48, 6):
+    for i in np.flatnonzero(np.bincount(groups)[groups] > 1)[:8]:
         alone = ch.moments(y[i:i + 1], omega[i:i + 1], V)
-        assert ref.metric(batch.g_out[i], batch.dg_out[i], alone.g_out[0], alone.dg_out[0]) < 1e-6
+        assert ref.metric(batch.g_out[i], batch.dg_out[i], alone.g_out[0], alone.dg_out[0]) < tol
     monkeypatch.setattr(ReparamChannel, "POLAR_CHUNK", {2: 3, 3: 3})
     chunked = ch.moments(y, omega, V)
     np.testing.assert_array_equal(chunked.g_out, batch.g_out)
