@@ -25,7 +25,7 @@ from smi_core import DeepAttention  # noqa: E402
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
     ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"error_estimate": False}, {"tol": 1e-6}]),
-    ("reparam", 3, 2, None, ref.reparam_l3, [{}, {"tol": 1e-4}]),
+    ("reparam", 3, 2, None, ref.reparam_l3, [{}, {"error_estimate": False}]),
     ("noisy", 1, 2, 0.1, lambda y, o, V: ref.noisy_l1(y, o, V, noise=0.1), [{}, {"tol": 1e-6}]),
 ]
 
@@ -49,7 +49,7 @@ def main():
     p.add_argument("--l3-reference-samples", type=int, default=3,
                    help="L = 3 references take 10-45 s each")
     p.add_argument("--l3-timing-samples", type=int, default=40,
-                   help="L = 3 with tol takes up to ≈ 0.5 s per sample")
+                   help="L = 3 takes ≈ 15 ms per sample")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     a = p.parse_args()

@@ -19,17 +19,21 @@ is the difference to a coarser rule; with ``tol`` the node count grows (×1.5, w
 GH_BUDGET, each rule checked against the previous one), and samples still above it go to
 adaptive Genz–Malik cubature.
 
-L = 2, T = 2 (x = h_1 = (a, b) ∈ R²) with a broad posterior: the softmax of layer 1 switches
-across the lines a = 0, b = 0 and a = b, on a scale ≈ 1/(β|h_1|) — near-cliffs and plateaus on
-which Gauss–Hermite converges only algebraically.  All three lines meet at h_1 = 0, so in polar
-coordinates about the origin they only make the angular integrand vary fast, and the periodic
-trapezoid rule in θ converges geometrically whatever their width; the count per ring grows
-with β r².  The nodes depend on the sample only through V and |ω_1|, so samples with the same V
-and close |ω_1| (state evolution, GAMP: V is shared) share them: Φ⁽¹⁾⁻¹ and log|det Φ⁽¹⁾| are
-computed once per node, and each sample adds only h_2 = Φ⁽¹⁾⁻¹u_L and the four terms (±x, ±h_2;
-Φ is even in h_1, so the nodes cover a half plane).  Samples whose posterior over
-h_1 is narrow (``ReparamChannel.POLAR_MIN_SD``) keep the Laplace rule, on which the cliffs are
-smooth.  The prior component of the partition sits e^-40 below the highest mode: its rule is
+T = 2 and L = 2 or 3 with broad posteriors over the earlier layers: the softmax of layer 1
+switches across the lines a = 0, b = 0 and a = b of h_1 = (a, b), on a scale ≈ 1/(β|h_1|) —
+near-cliffs and plateaus on which Gauss–Hermite converges only algebraically.  All three lines
+meet at h_1 = 0, so in polar coordinates about the origin they only make the angular integrand
+vary fast, and the periodic trapezoid rule in θ converges geometrically whatever their width;
+the count per ring grows with β r².  Layer 2's cliffs are lines through u_2 = Φ⁽¹⁾h_2 = 0, hence
+through h_2 = 0 for every h_1, so L = 3 takes the product of such rules in h_1 and in h_2.  The
+nodes depend on the sample only through V and the |ω_ℓ|, so samples with the same V and close
+|ω_ℓ| (state evolution, GAMP: V is shared) share them: Φ⁽ᴸ⁻¹⁾⁻¹ and log|det Φ⁽ᴸ⁻¹⁾| are computed
+once per node, and each sample adds only h_L = Φ⁻¹u_L and the 2^L terms (each earlier layer
+reflected or not — Φ is even in each — and the sign of u_L; the nodes of each layer cover a half
+plane).  Samples whose posterior over an earlier layer is narrow (``ReparamChannel.POLAR_MIN_SD``)
+keep the Laplace rule, on which the cliffs are smooth.  Neither rule resolves a pinned last
+layer (V_LL small) with broad earlier layers: the posterior then collapses onto the pre-image of
+a small ball in h_L (see the README).  The prior component of the partition sits e^-40 below the highest mode: its rule is
 on the prior's scale and cannot resolve a narrow posterior, and with a near-singular V the
 moments must be right to ≈ 1e-12 of the mass for dg_out = V⁻¹(Cov - V)V⁻¹ to be right to 1e-6.
 """
@@ -320,7 +324,7 @@ class ReparamChannel(Channel):
         ring, ∝ e^{k cos(θ - θ₀)} (a trapezoid rule needs ∝ k points for small k, ∝ √k for
         large); d(r) the distance of r to the group's |ω_ℓ| (fewer angles where the prior is
         small: the trapezoid error is relative to the ring's mass).  Returns the nodes (M, 2),
-        their log weights and their group, sorted by group."""
+        their log weights, their group (sorted) and d(r)²/V_ℓℓ."""
         p = self.POLAR
         G = group.max() + 1
         lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
@@ -345,13 +349,15 @@ class ReparamChannel(Channel):
         radius = r.ravel()[ring]
         x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
         log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
-        return x, log_w, ring // r.shape[1]
+        return x, log_w, ring // r.shape[1], (dist ** 2 / v[:, None]).ravel()[ring]
 
     def _polar_nodes(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product over the earlier layers
         of each layer's rings (``_polar_rings``), as rows [x = h_{<L}, log weight, Φ⁻¹, log|det Φ|]
         (``_quadrature.integrate_polar``; Φ = Φ⁽ᴸ⁻¹⁾(x) by the generated mixing kernel, once per
-        node for the whole group), and each sample's row range."""
+        node for the whole group), and each sample's row range.  Like each layer's radial range,
+        the product leaves out the nodes where the prior of h_{<L} is below e^{-reach²/2}
+        (Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ > reach²: a ball instead of a box)."""
         L = self.model.layers
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
@@ -359,10 +365,12 @@ class ReparamChannel(Channel):
                   for l in range(L - 1)]
         xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
         for g in range(G):                          # product of the layers' rules, group by group
-            parts = [(x[own == g], lw[own == g]) for x, lw, own in layers]
-            grids = np.meshgrid(*[np.arange(len(lw)) for _, lw in parts], indexing="ij")
-            xs.append(np.concatenate([x[i.ravel()] for (x, _), i in zip(parts, grids)], axis=1))
-            lws.append(sum(lw[i.ravel()] for (_, lw), i in zip(parts, grids)))
+            parts = [(x[own == g], lw[own == g], far[own == g]) for x, lw, own, far in layers]
+            grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
+            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self.POLAR["reach"] ** 2
+            grids = [i[keep] for i in grids]
+            xs.append(np.concatenate([x[i] for (x, _, _), i in zip(parts, grids)], axis=1))
+            lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
             counts[g] = len(lws[-1])
         x, log_w = np.concatenate(xs), np.concatenate(lws)
         mix = self._mixing_kernel(x, self.model.params)
