@@ -351,7 +351,8 @@ def test_reparam_l3_default_polar_rule(q):
 @pytest.mark.xfail(strict=True, reason="known defect (issue 3 open): the last layer pinned (V_LL = 1e-3) while "
                    "h_1 is broad: the posterior over h_1 is a set of narrow peaks that neither the polar rule "
                    "nor the Laplace rule resolves at default settings (measured metric 39 and 38; 3e-3 with "
-                   "tol=1e-6); needs coordinates on h_L (see README, 'Where the channel is not accurate')")
+                   "tol=1e-6); extra starts at the pinned h_1 and coordinates on h_2 were tried and fail too "
+                   "(see README, 'Where the channel is not accurate')")
 def test_reparam_l2_pinned_last_layer():
     Z = np.array([[-0.19224071152595104, -0.8137724218420405], [1.4154566200488867, -1.056339817648993]])
     omega = np.array([[0.0, 0.0], [1.367866004494648, -1.0771362174117753]])
