@@ -364,8 +364,10 @@ class ReparamChannel(Channel):
         layers = [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
                   for l in range(L - 1)]
         xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
+        bounds = [np.searchsorted(own, np.arange(G + 1)) for _, _, own, _ in layers]   # own is sorted
         for g in range(G):                          # product of the layers' rules, group by group
-            parts = [(x[own == g], lw[own == g], far[own == g]) for x, lw, own, far in layers]
+            parts = [(x[e[g]:e[g + 1]], lw[e[g]:e[g + 1]], far[e[g]:e[g + 1]])
+                     for (x, lw, _, far), e in zip(layers, bounds)]
             grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
             keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self.POLAR["reach"] ** 2
             grids = [i[keep] for i in grids]
