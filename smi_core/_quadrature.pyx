@@ -94,17 +94,23 @@ cdef struct Acc:
     int n
 
 
+cdef inline void _rescale(Acc* acc, double top) noexcept nogil:
+    """Move the sums to a new running maximum top > acc.mx (nothing overflows)."""
+    cdef int i, n = acc.n
+    cdef double scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
+    acc.s0 *= scale
+    for i in range(n):
+        acc.s1[i] *= scale
+    for i in range(n * n):
+        acc.s2[i] *= scale
+    acc.mx = top
+
+
 cdef inline void _add(Acc* acc, double lw, const double* Z, const double* ref) noexcept nogil:
     cdef int i, j, n = acc.n
-    cdef double scale, w
+    cdef double w
     if lw > acc.mx:
-        scale = exp(acc.mx - lw) if acc.mx > -INFINITY else 0.0
-        acc.s0 *= scale
-        for i in range(n):
-            acc.s1[i] *= scale
-        for i in range(n * n):
-            acc.s2[i] *= scale
-        acc.mx = lw
+        _rescale(acc, lw)
     w = smi_exp_neg(lw - acc.mx)
     acc.s0 += w
     for i in range(n):
@@ -315,7 +321,6 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                           &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
-
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
                         int L, const double* nodes, Py_ssize_t K,
                         double* log_z, double* mean, double* second) noexcept nogil:
@@ -354,7 +359,7 @@ cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, int
     cdef double lw[1 << POLAR_MAX_LAYERS]
     cdef double Wa[POLAR_MAX_LAYERS][2]
     cdef double Wab[POLAR_MAX_LAYERS][POLAR_MAX_LAYERS][2][2]
-    cdef double top, scale, wt, total, c0, c1
+    cdef double top, wt, total, c0, c1
     cdef int a, b, s, r, t, p, n = 2 * L, P = 1 << L
     cdef const double* z
     if not (isfinite(h[0]) and isfinite(h[1]) and isfinite(lc)):
@@ -383,13 +388,7 @@ cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, int
     if not top > acc.mx - 45.0:
         return
     if top > acc.mx:
-        scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
-        acc.s0 *= scale
-        for a in range(n):
-            acc.s1[a] *= scale
-        for a in range(n * n):
-            acc.s2[a] *= scale
-        acc.mx = top
+        _rescale(acc, top)
     for a in range(L):
         Wa[a][0] = Wa[a][1] = 0.0
         for b in range(a):
@@ -428,7 +427,7 @@ cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, int
 
 cdef inline void _polar_node2(Acc* acc, const double* om, const double* Vinv, const double* x,
                              const double* h, double lc) noexcept nogil:
-    """Route 0, L = 2, T = 2, x = h_1 (``_polar_node`` written out for L = 2: 20 % faster): the four terms Z = [±x; ±h_2] (layer 1 row reflected,
+    """Route 0, L = 2, T = 2, x = h_1 (``_polar_node`` written out for L = 2: 10 % faster): the four terms Z = [±x; ±h_2] (layer 1 row reflected,
     sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about ref = ω.
     With P = V⁻¹, dx_± = ±x - ω₁, dh_± = ±h_2 - ω₂:  Q(s, σ) = P₁₁|dx_s|² + 2P₁₂ dx_s·dh_σ +
     P₂₂|dh_σ|², and the moment sums split into the (x, x), (h, h) and (x, h) blocks, so the four
@@ -441,7 +440,7 @@ cdef inline void _polar_node2(Acc* acc, const double* om, const double* Vinv, co
     cdef double ax[2]
     cdef double bh[2]
     cdef double c[2][2]
-    cdef double top, scale, wx, wh
+    cdef double top, wx, wh
     cdef int a, b, i
     if not (isfinite(h[0]) and isfinite(h[1]) and isfinite(lc)):
         return                              # det Φ = 0: the Gaussian factor vanishes there
@@ -460,13 +459,7 @@ cdef inline void _polar_node2(Acc* acc, const double* om, const double* Vinv, co
     if not top > acc.mx - 45.0:
         return
     if top > acc.mx:
-        scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
-        acc.s0 *= scale
-        for i in range(4):
-            acc.s1[i] *= scale
-        for i in range(16):
-            acc.s2[i] *= scale
-        acc.mx = top
+        _rescale(acc, top)
     for a in range(2):
         for b in range(2):
             wt[a][b] = smi_exp_neg(lw[a][b] - acc.mx)

@@ -401,7 +401,7 @@ class ReparamChannel(Channel):
         return log_z, mean, second
 
     def _polar(self, y, omega, V, Vinv, logdetV):
-        """h_1 in polar coordinates about the origin (``_quadrature.integrate_polar``, rings from
+        """Each earlier layer h_ℓ in polar coordinates about the origin (``_quadrature.integrate_polar``, rings from
         ``_polar_rings``); ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L],
         d = 2(L - 1)).  Error: the difference
         to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
