@@ -3,12 +3,13 @@ on one core (best of three, CPU time of this process with threads=1 — run it w
 OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry).
 
-Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ.
+Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
+with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
 Targets (issue 3): two-layer T = 2 route "reparam" ≤ 50 µs per sample at ≤ 1e-6; three-layer
 T = 2 ≤ 2 ms per sample at ≤ 1e-4.
 
     python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
-                                  [--l3-reference-samples K3] [--l3-timing-samples N3]
+                                  [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
 """
 import argparse
 import sys
@@ -30,15 +31,16 @@ CASES = [  # (route, layers, tokens, noise, reference function, settings)
 ]
 
 
-def draws(model, q, n, rng, noise):
+def draws(model, q, n, rng, noise, pinned=False):
     L, T = model.layers, model.tokens
-    omega = np.sqrt(q) * rng.standard_normal((n, L, T))
-    Z = omega + np.sqrt(1 - q) * rng.standard_normal((n, L, T))
+    qv = np.array([0.0] * (L - 1) + [q] if pinned else [q] * L)[:, None]
+    omega = np.sqrt(qv) * rng.standard_normal((n, L, T))
+    Z = omega + np.sqrt(1 - qv) * rng.standard_normal((n, L, T))
     y = model.forward(Z)
     if noise:
         y = y + np.sqrt(noise) * rng.standard_normal(y.shape)
     keep = (y > 0).all(axis=(1, 2)) if not noise else np.ones(n, bool)
-    return y[keep], omega[keep], (1 - q) * np.eye(L)
+    return y[keep], omega[keep], np.diag(1 - qv[:, 0])
 
 
 def main():
@@ -52,6 +54,8 @@ def main():
                    help="L = 3 takes ≈ 15 ms per sample")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
+    p.add_argument("--pinned", action="store_true",
+                   help="q = diag(0, …, 0, q): the last layer pinned, the earlier ones broad")
     a = p.parse_args()
     rng = np.random.default_rng(0)
     print(f"{'route':8s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
@@ -61,7 +65,8 @@ def main():
             continue
         model = DeepAttention(L, T, threads=1)
         for q in a.q:
-            y, omega, V = draws(model, q, a.l3_timing_samples if L == 3 else a.timing_samples, rng, noise)
+            y, omega, V = draws(model, q, a.l3_timing_samples if L == 3 else a.timing_samples, rng, noise,
+                                a.pinned)
             k = a.l3_reference_samples if L == 3 else a.reference_samples
             refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
             for setting in settings:
@@ -75,7 +80,7 @@ def main():
                 us = min(times) / len(y) * 1e6
                 errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
                 label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
-                print(f"{route:8s} {L:2d} {T:2d} {q:5.2f} {label:20s} {us:10.1f} {np.median(errs):11.1e} "
+                print(f"{route:8s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} {np.median(errs):11.1e} "
                       f"{np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
 
 

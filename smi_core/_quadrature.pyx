@@ -18,12 +18,15 @@ maximum of the log weights so nothing overflows.  The integrand comes from a gen
 Every driver evaluates the integrand through the same two functions: ``_place`` (the node
 x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → the terms of f at x,
 with their index matrices Z).  Drivers: ``integrate`` (a fixed rule on every partition piece),
-``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance) and ``integrate_polar``
-(route 0 with x = h_1 ∈ R²: polar coordinates about the meeting point of the softmax cliffs).
+``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance), ``integrate_polar``
+(route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
+nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, L = 2: Genz–Malik
+in (t = |h_1|², θ) from boxes the caller refined about the peaks; the same ``_place`` and
+``_terms``, in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, isfinite
+from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
 from libc.stdlib cimport malloc, free
 from openmp cimport omp_get_max_threads
 
@@ -120,7 +123,7 @@ cdef inline void _add(Acc* acc, double lw, const double* Z, const double* ref) n
 
 
 cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
-    int route, R, T, d, M, n_data, n_node, active
+    int route, R, T, d, M, n_data, n_node, active, polar
     kernel_t f
     const double* par
     const double* data
@@ -135,8 +138,8 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* node_in
     double* node_out
     double* x
-    double* Z          # up to 2 terms × RT
-    double* lf         # up to 2 terms
+    double* Z          # up to 4 terms × RT
+    double* lf         # up to 4 terms
     double* lq
 
 
@@ -147,8 +150,9 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
     cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 2 * RT + 2 + M + 1) * sizeof(double))
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1) * sizeof(double))
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
+    s.polar = 0
     s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
     s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
     s.shift = -INFINITY
@@ -162,8 +166,8 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.node_out = work + n_data + d
     s.x = s.node_out + n_node * (1 + d)
     s.Z = s.x + d
-    s.lf = s.Z + 2 * RT
-    s.lq = s.lf + 2
+    s.lf = s.Z + 4 * RT
+    s.lq = s.lf + 4
     if route == 0:
         for i in range(n_data):
             s.node_in[i] = data[i]
@@ -171,9 +175,13 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
 
 
 cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
-    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight)."""
+    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight).
+    Polar sites (``integrate_polar_adaptive``): ξ = (t, θ), x = √t (cos θ, sin θ), dx = ½ dt dθ."""
     cdef int d = s.d, i, l, j
     cdef double base = 0.0, lmax, lse
+    if s.polar:
+        s.x[0], s.x[1] = sqrt(xi[0]) * cos(xi[1]), sqrt(xi[0]) * sin(xi[1])
+        return -M_LN2
     for i in range(d):
         base += log(s.A[(m * d + i) * d + i])
         s.x[i] = s.centers[m * d + i]
@@ -194,25 +202,26 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
 
 cdef int _terms(Site* s, const double* x) noexcept nogil:
     """The integrand at x, as a sum of terms exp(s.lf[k]) at index matrices s.Z[k·RT:]; returns
-    their number.  Route 0: the two signs of h_L (2 terms from one kernel call).  Route 1: one
-    term.  Non-finite terms get lf = -inf."""
-    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k
+    their number.  Route 0: the two signs of h_L (2 terms from one kernel call; polar sites also
+    reflect x, Φ being even in it: 4 terms).  Route 1: one term.  Non-finite terms get lf = -inf."""
+    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k, nt
     cdef double* Z
     cdef double sq, r
     if s.route == 0:
         for i in range(d):
             s.node_in[s.n_data + i] = x[i]
         s.f(s.node_in, s.par, s.node_out)
-        for k in range(2):
+        nt = 4 if s.polar else 2
+        for k in range(nt):
             Z = s.Z + k * RT
             for i in range(d):
-                Z[i] = x[i]
+                Z[i] = -x[i] if k & 2 else x[i]
             for i in range(T):
-                Z[d + i] = -s.node_out[i] if k else s.node_out[i]
+                Z[d + i] = -s.node_out[i] if k & 1 else s.node_out[i]
             s.lf[k] = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, T) - s.node_out[T]
             if not isfinite(s.lf[k]):          # det Φ = 0: the Gaussian factor vanishes there
                 s.lf[k] = -INFINITY
-        return 2
+        return nt
     s.f(x, s.par, s.node_out)
     sq = 0.0
     for i in range(s.n_node):
@@ -697,7 +706,7 @@ cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, 
     cdef double* Z
     nt = _terms(s, s.x)
     for k in range(nt):
-        if not s.lf[k] > -INFINITY:
+        if not base + s.lf[k] > -300.0:     # (also skips subnormal weights: slow, and negligible)
             continue
         Z = s.Z + k * RT
         v = exp(base + s.lf[k])
@@ -799,6 +808,32 @@ cdef inline int _heap_pop(int* heap, int* size, const double* key) noexcept nogi
 cdef void _adaptive_one(Site* s, const double* scale, double bound, double tol, int max_regions,
                         double* log_z, double* mean, double* second, int* used,
                         double* achieved) noexcept nogil:
+    """Start from the 2^d orthant boxes of ±bound (whitened coordinates) of every active piece."""
+    cdef int d = s.d, m, j, i, count = 0
+    cdef double* c = <double*> malloc(2 * s.M * (1 << d) * d * sizeof(double))
+    cdef double* h = c + s.M * (1 << d) * d
+    cdef int* piece = <int*> malloc(s.M * (1 << d) * sizeof(int))
+    for m in range(s.M):
+        if not s.logh[m] > -INFINITY:
+            continue
+        for j in range(1 << d):
+            for i in range(d):
+                c[count * d + i] = (0.5 if (j >> i) & 1 else -0.5) * bound
+                h[count * d + i] = 0.5 * bound
+            piece[count] = m
+            count += 1
+    _adaptive_regions(s, scale, c, h, piece, count, tol, max_regions, log_z, mean, second, used, achieved)
+    free(c)
+    free(piece)
+
+
+cdef void _adaptive_regions(Site* s, const double* scale, const double* c0, const double* h0,
+                            const int* piece, int n0, double tol, int max_regions,
+                            double* log_z, double* mean, double* second, int* used,
+                            double* achieved) noexcept nogil:
+    """Globally adaptive Genz–Malik cubature from the n0 boxes c0 ± h0 (of pieces ``piece``):
+    bisect the box of largest error along its axis of largest fourth difference until
+    Σ|I7 - I5| ≤ tol · mass or max_regions is reached."""
     cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, m, k, i, j, count = 0, best, ax
     cdef double* rc = <double*> malloc(max_regions * (2 * d + 1 + n) * sizeof(double))
     cdef double* rh = rc + max_regions * d
@@ -809,21 +844,16 @@ cdef void _adaptive_one(Site* s, const double* scale, double bound, double tol, 
     cdef int* heap = raxis + max_regions
     cdef int size = 0
     cdef double* scratch = <double*> malloc((n + d) * sizeof(double))
-    cdef double err_total = 0.0, mass = 0.0, worst
-    for m in range(s.M):
-        if not s.logh[m] > -INFINITY:
-            continue
-        for j in range(1 << d):
-            if count >= max_regions:
-                break
-            for i in range(d):
-                rc[count * d + i] = (0.5 if (j >> i) & 1 else -0.5) * bound
-                rh[count * d + i] = 0.5 * bound
-            rm[count] = m
-            rerr[count] = _region(s, m, rc + count * d, rh + count * d, rS + count * n, scratch, scale, raxis + count)
-            err_total += rerr[count]
-            mass += rS[count * n]
-            count += 1
+    cdef double err_total = 0.0, mass = 0.0
+    for k in range(min(n0, max_regions)):
+        for i in range(d):
+            rc[count * d + i] = c0[k * d + i]
+            rh[count * d + i] = h0[k * d + i]
+        rm[count] = piece[k]
+        rerr[count] = _region(s, rm[count], rc + count * d, rh + count * d, rS + count * n, scratch, scale, raxis + count)
+        err_total += rerr[count]
+        mass += rS[count * n]
+        count += 1
     for k in range(count):
         _heap_push(heap, &size, rerr, k)
     while err_total > tol * fabs(mass) and count < max_regions:
@@ -898,4 +928,54 @@ cdef void _adaptive_sample(int route, kernel_t f, const double* par, const doubl
     cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
                                    A, H, logh, M, d, ref, R, T, n_node, delta)
     _adaptive_one(&s, scale, bound, tol, max_regions, log_z, mean, second, used, achieved)
+    free(work)
+
+
+def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, ::1] u,
+                             const double[:, ::1] omega, const double[:, :, ::1] Vinv,
+                             const double[::1] const0, const double[::1] shift,
+                             const double[:, ::1] boxes, const long[::1] start,
+                             const double[:, ::1] scale, double tol, int max_regions,
+                             double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
+                             int[::1] used, double[::1] achieved, int threads=0):
+    """Route 0, L = 2: adaptive Genz–Malik cubature in x = h_1 = √t (cos θ, sin θ) over
+    t ≥ 0, θ ∈ [0, π) (the reflection -x is a term of every point), from the initial boxes
+    rows start[i]:start[i+1] of ``boxes`` = [t, θ, half-width in t, in θ] (the caller refines
+    them about the expected peaks), until Σ|I7 - I5| ≤ tol · mass.  ``shift`` ≈ the largest
+    log integrand (the sums are kept relative to it).  Moments about ω, as ``integrate``."""
+    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef Py_ssize_t n = omega.shape[0], i
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    if Vinv.shape[1] != 2 or u.shape[1] != 2 or boxes.shape[1] != 4:
+        raise ValueError("integrate_polar_adaptive needs L = 2, T = 2 and boxes of 4 values")
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _polar_adaptive_sample(f, &params[0], &u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], const0[i],
+                                   shift[i], &boxes[start[i], 0], start[i + 1] - start[i],
+                                   &scale[i, 0], tol, max_regions, &log_z[i], &mean[i, 0],
+                                   &second[i, 0, 0], &used[i], &achieved[i])
+
+
+cdef void _polar_adaptive_sample(kernel_t f, const double* par, const double* u, const double* omega,
+                                 const double* Vinv, double const0, double shift,
+                                 const double* boxes, Py_ssize_t nb, const double* scale, double tol,
+                                 int max_regions, double* log_z, double* mean, double* second,
+                                 int* used, double* achieved) noexcept nogil:
+    cdef Site s
+    cdef Py_ssize_t k
+    cdef double logh = 0.0
+    cdef double* ch = <double*> malloc(4 * nb * sizeof(double))
+    cdef int* piece = <int*> malloc(nb * sizeof(int))
+    cdef double* work = _site_init(&s, 0, f, par, u, 2, omega, Vinv, const0, NULL, NULL, NULL,
+                                   &logh, 1, 2, omega, 2, 2, 3, 0.0)
+    s.polar, s.shift = 1, shift
+    for k in range(nb):
+        ch[2 * k], ch[2 * k + 1] = boxes[4 * k], boxes[4 * k + 1]
+        ch[2 * nb + 2 * k], ch[2 * nb + 2 * k + 1] = boxes[4 * k + 2], boxes[4 * k + 3]
+        piece[k] = 0
+    _adaptive_regions(&s, scale, ch, ch + 2 * nb, piece, <int> nb, tol, max_regions,
+                      log_z, mean, second, used, achieved)
+    free(ch)
+    free(piece)
     free(work)

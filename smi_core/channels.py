@@ -405,7 +405,9 @@ class ReparamChannel(Channel):
         ``_polar_rings``); ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L],
         d = 2(L - 1)).  Error: the difference
         to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
-        coarse one) up to three times while the estimate is above tol."""
+        coarse one) up to three times while the estimate is above tol.  L = 2: samples whose
+        estimate is still above tol (default PINNED["escalate"]; none without an estimate) are
+        integrated again by the adaptive rule (``_pinned``), kept where its estimate is lower."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         ref = np.ascontiguousarray(omega.reshape(n, RT))
@@ -427,7 +429,152 @@ class ReparamChannel(Channel):
             for a, b in zip(fine, finer):
                 a[redo] = b
         log_z, mean, second = fine
-        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], error
+        mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
+        redo = np.flatnonzero(error > (self.tol or self.PINNED["escalate"])) if self.model.layers == 2 else []
+        if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
+            better = self._pinned(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
+            take = redo[better[3] < error[redo]]
+            keep = better[3] < error[redo]
+            for a, b in zip((log_z, mean, cov, error), better):
+                a[take] = b[keep]
+        return log_z, mean, cov, error
+
+    # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
+    PINNED = dict(escalate=1e-5, tol=1e-5, grid=(8, 8), reach=8.0, max_regions=20000, depth=40, floor=30.0)
+
+    def _pinned_starts(self, u, omega, V):
+        """Gauss–Newton starts at the h_1 that puts h_2 at its mean given h_1, per sign of u_2:
+        Φ⁽¹⁾ = cI + A with A row-stochastic, so (cI + A) h_2 = ±u_2 is linear in A's two free
+        entries; A is then the softmax output of one layer, whose pre-image is h_1 (up to sign;
+        the reflection nearer ω_1 is kept).  Iterated three times (the mean of h_2 depends on
+        h_1 when V₁₂ ≠ 0).  Returns (n, 2, 2) starts and (n, 2) signs; NaN where A is outside
+        the softmax's range (no such h_1)."""
+        n, c = len(u), self.model.skip
+        starts = np.full((n, 2, 2), np.nan)
+        for k, sign in enumerate((1.0, -1.0)):
+            h1 = omega[:, 0].copy()
+            for _ in range(3):
+                v = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (h1 - omega[:, 0])
+                dv = v[:, 0] - v[:, 1]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    own = (sign * u - c * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
+                ok = np.isfinite(own).all(axis=1) & (own > 0).all(axis=1) & (own < 1).all(axis=1) & (own.sum(axis=1) > 1)
+                A = np.stack([own[:, 0], 1 - own[:, 0], 1 - own[:, 1], own[:, 1]], axis=1).reshape(n, 2, 2)
+                h = np.full((n, 2), np.nan)
+                if ok.any():
+                    h[ok] = self._u_model.reparametrise(A[ok]).u
+                nearer = ((h - omega[:, 0]) ** 2).sum(axis=1) <= ((h + omega[:, 0]) ** 2).sum(axis=1)
+                h1 = np.where(ok[:, None], np.where(nearer[:, None], h, -h), omega[:, 0])
+            starts[ok, k] = h1[ok]
+        return starts, np.broadcast_to([1.0, -1.0], (n, 2))
+
+    def _pinned_peaks(self, u, omega, V, Vinv, logdetV):
+        """Local maxima of each term of the integrand over h_1 (Gauss–Newton, ``_quadrature.modes``)
+        from the pinned starts, from ±ω_1 and, for each sign of u_2, from two rings about ω_1
+        (radii √V₁₁ and 2√V₁₁, 8 angles: a sign without an exact pre-image still has a peak where
+        h_2 comes closest to its mean), with their Laplace covariances; peaks more than
+        PINNED["floor"] below the highest are dropped.  Returns centres (n, K, 2), covariances
+        (n, K, 2, 2), log heights (n, K) (-inf: dropped)."""
+        n = len(u)
+        pinned, pin_signs = self._pinned_starts(u, omega, V)
+        _, x0, signs = self._prepare_starts(u, omega)
+        phi = np.arange(8) * np.pi / 4
+        ring = np.concatenate([r * np.stack([np.cos(phi), np.sin(phi)], axis=1) for r in (1.0, 2.0)])
+        ring = omega[:, None, 0] + np.sqrt(V[:, 0, 0])[:, None, None] * ring[None]
+        x = np.concatenate([np.where(np.isfinite(pinned), pinned, omega[:, None, 0]), x0, ring, ring], axis=1)
+        ring_signs = np.repeat([1.0, -1.0], len(phi) * 2)
+        signs = np.ascontiguousarray(np.concatenate([pin_signs, signs, np.broadcast_to(ring_signs, (n, ring_signs.size))], axis=1))
+        x = np.ascontiguousarray(x)
+        logf, hess = np.empty(x.shape[:2]), np.empty(x.shape[:2] + (2, 2))
+        const0 = -(2 * np.log(2 * np.pi) + logdetV)
+        _quadrature.modes(0, self._jac_kernel.capsule(), self.model.params, np.ascontiguousarray(u),
+                          np.ascontiguousarray(omega.reshape(n, 4)), Vinv, const0, x, signs, logf,
+                          hess, 2, 2, self._n_node, 0.0, threads=self.threads)
+        logf = np.where(np.isfinite(logf), logf, -np.inf)
+        logf[logf < logf.max(axis=1, keepdims=True) - self.PINNED["floor"]] = -np.inf
+        with np.errstate(invalid="ignore"):
+            cov = np.linalg.inv(hess + 1e-300 * np.eye(2))
+        return x, cov, logf
+
+    def _pinned_boxes(self, peaks, cov, logf, tmax):
+        """Initial boxes [t, θ, half-widths] in x = h_1 = √t (cos θ, sin θ), t ∈ [0, tmax],
+        θ ∈ [0, π): PINNED["grid"] = (n_r, n_θ) intervals uniform in √t and θ, the θ cuts
+        graded towards the softmax cliffs θ = 0, π/4, π/2 (where one constraint on h_2 holds
+        while the other saturates: thin ridges of small mass a coarse box would not see) down
+        to ≈ 1/(β t), the cliffs' width at the outer end of each √t interval; and about every
+        peak the box that holds it bisected (along its relatively wider side) until it is no
+        wider than the peak's Laplace sd in t and θ, so that the cubature sees every peak
+        however narrow.  Returns the rows and each sample's start offset."""
+        nr, nth = self.PINNED["grid"]
+        rays = np.array([0.0, 0.25, 0.5, 0.75, 1.0]) * np.pi      # the cliffs a = 0, b = 0, a = b
+        t_cuts = (np.arange(nr + 1) / nr) ** 2
+        base = []                                                   # per interval of √t: θ cuts
+        for k in range(nr):
+            grade = int(np.clip(np.ceil(np.log2(np.pi / 8 * self.model.beta * tmax.max() * t_cuts[k + 1])), 0, 12))
+            near = (np.pi / 8) * 2.0 ** -np.arange(grade + 1)
+            cuts = np.unique(np.clip(np.concatenate([np.linspace(0, np.pi, nth + 1), (rays[:, None] + near).ravel(),
+                                                     (rays[:, None] - near).ravel()]), 0, np.pi))
+            base.append(np.stack([np.full(len(cuts) - 1, t_cuts[k] + t_cuts[k + 1]) / 2,
+                                  (cuts[1:] + cuts[:-1]) / 2, np.full(len(cuts) - 1, t_cuts[k + 1] - t_cuts[k]) / 2,
+                                  np.diff(cuts) / 2], axis=1))
+        base = np.concatenate(base)                                 # t in units of tmax
+        rows, start = [], [0]
+        for i in range(len(tmax)):
+            boxes = base * [tmax[i], 1.0, tmax[i], 1.0]
+            extra = []
+            found = np.isfinite(logf[i])
+            for x in np.unique(np.round(peaks[i, found], 6), axis=0):
+                C = cov[i, found][np.argmin(np.abs(peaks[i, found] - x).sum(axis=1))]
+                t, th = x @ x, np.arctan2(x[1], x[0]) % np.pi
+                if not (t < tmax[i] and np.isfinite(C).all()):
+                    continue
+                g_t, g_th = 2 * x, np.array([-x[1], x[0]]) / max(t, 1e-300)
+                sd = np.sqrt(np.maximum([g_t @ C @ g_t, g_th @ C @ g_th], 0.0))
+                pool = np.concatenate([boxes] + extra) if extra else boxes
+                inside = np.flatnonzero((np.abs(t - pool[:, 0]) <= pool[:, 2]) & (np.abs(th - pool[:, 1]) <= pool[:, 3]))
+                if not inside.size:
+                    continue
+                b = pool[inside[0]].copy()
+                chain = []
+                for _ in range(self.PINNED["depth"]):      # bisect: keep the half with the peak
+                    if b[2] <= sd[0] and b[3] <= sd[1]:
+                        break
+                    ax = 0 if b[2] / tmax[i] >= b[3] / np.pi else 1
+                    b[2 + ax] *= 0.5
+                    other = b.copy()
+                    side = 1.0 if [t, th][ax] >= b[ax] else -1.0
+                    b[ax] += side * b[2 + ax]
+                    other[ax] -= side * other[2 + ax]
+                    chain.append(other)
+                if chain:
+                    pool = np.delete(pool, inside[0], axis=0)
+                    boxes, extra = pool, [np.array(chain + [b])]
+            rows.append(np.concatenate([boxes] + extra) if extra else boxes)
+            start.append(start[-1] + len(rows[-1]))
+        return np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64)
+
+    def _pinned(self, y, omega, V, Vinv, logdetV):
+        """Adaptive Genz–Malik cubature over h_1 in coordinates (t = |h_1|², θ), where the prior
+        is smooth (dh_1 = ½ dt dθ) and the softmax cliffs are lines θ = const
+        (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
+        (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (default PINNED["tol"]) in
+        Σ|I7 - I5| / mass of the whitened moments; that ratio is the error estimate."""
+        n = len(omega)
+        u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
+        peaks, cov, logf = self._pinned_peaks(u, omega, V, Vinv, logdetV)
+        tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
+        boxes, start = self._pinned_boxes(peaks, cov, logf, tmax)
+        const0 = -(2 * np.log(2 * np.pi) + logdetV)
+        shift = np.where(np.isfinite(logf).any(axis=1), logf.max(axis=1), const0)
+        scale = np.ascontiguousarray(np.repeat(np.sqrt(np.diagonal(V, axis1=1, axis2=2)), 2, axis=1))
+        log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))
+        used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
+        _quadrature.integrate_polar_adaptive(self._node_kernel.capsule(), self.model.params, u,
+                                             np.ascontiguousarray(omega.reshape(n, 4)), Vinv, const0,
+                                             shift, boxes, start, scale, self.tol or self.PINNED["tol"],
+                                             self.PINNED["max_regions"], log_z, mean, second, used,
+                                             achieved, self.threads)
+        return log_z, omega.reshape(n, 4) + mean, second - mean[:, :, None] * mean[:, None, :], achieved
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask: softmax outputs with every entry > 0 (an entry that underflowed to 0
@@ -443,13 +590,18 @@ class ReparamChannel(Channel):
 
     def _prepare(self, y, omega, V):
         u = self._u_model.reparametrise(y).u               # validates y, rejects inconsistent y
-        L, T = self.model.layers, self.T
-        if L == 1:
+        if self.model.layers == 1:
             return u, None, None
+        return self._prepare_starts(u, omega)
+
+    def _prepare_starts(self, u, omega):
+        """Gauss–Newton starts: ω_{<L} with every earlier layer reflected or not, for each sign
+        of u_L."""
+        L, T = self.model.layers, self.T
         patterns = np.array(list(product((1.0, -1.0), repeat=L)))       # (sign of u_L, reflections)
         x0 = omega[:, None, :L - 1, :] * patterns[None, :, 1:, None]
-        signs = np.broadcast_to(patterns[None, :, 0], (len(y), len(patterns)))
-        return u, np.ascontiguousarray(x0.reshape(len(y), len(patterns), (L - 1) * T)), signs
+        signs = np.broadcast_to(patterns[None, :, 0], (len(u), len(patterns)))
+        return u, np.ascontiguousarray(x0.reshape(len(u), len(patterns), (L - 1) * T)), signs
 
     def _prior(self, omega, V):
         """The prior of x = h_{<L}: N(ω_{<L}, V_{<L,<L} ⊗ I_T)."""
