@@ -405,9 +405,10 @@ class ReparamChannel(Channel):
         ``_polar_rings``); ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L],
         d = 2(L - 1)).  Error: the difference
         to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
-        coarse one) up to three times while the estimate is above tol.  L = 2: samples whose
-        estimate is still above tol (default PINNED["escalate"]; none without an estimate) are
-        integrated again by the adaptive rule (``_pinned``), kept where its estimate is lower."""
+        coarse one) up to three times while the estimate is above tol.  L = 2 (with the
+        estimate): the same with tol defaulting to PINNED["escalate"], and samples still above
+        it are integrated again by the adaptive rule (``_pinned``), kept where its estimate is
+        lower."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         ref = np.ascontiguousarray(omega.reshape(n, RT))
@@ -418,8 +419,10 @@ class ReparamChannel(Channel):
         if self.error_estimate:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
-        for _ in range(3 if self.tol is not None else 0):
-            redo = np.flatnonzero(~(error <= self.tol))
+        target = self.tol if self.tol is not None else (
+            self.PINNED["escalate"] if self.model.layers == 2 and self.error_estimate else None)
+        for _ in range(3 if target is not None else 0):
+            redo = np.flatnonzero(~(error <= target))
             if not redo.size:
                 break
             scale *= 1.5
@@ -430,7 +433,7 @@ class ReparamChannel(Channel):
                 a[redo] = b
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
-        redo = np.flatnonzero(error > (self.tol or self.PINNED["escalate"])) if self.model.layers == 2 else []
+        redo = np.flatnonzero(error > target) if self.model.layers == 2 and target is not None else []
         if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
             better = self._pinned(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
             take = redo[better[3] < error[redo]]
