@@ -141,6 +141,7 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* Z          # up to 4 terms × RT
     double* lf         # up to 4 terms
     double* lq
+    double* P          # one point's moment sums (1 + RT + RT²), ``_point``
 
 
 cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const double* data,
@@ -150,7 +151,8 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
     cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1) * sizeof(double))
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1
+                                          + 1 + RT + RT * RT) * sizeof(double))
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
     s.polar = 0
     s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
@@ -168,6 +170,7 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.Z = s.x + d
     s.lf = s.Z + 4 * RT
     s.lq = s.lf + 4
+    s.P = s.lq + M + 1
     if route == 0:
         for i in range(n_data):
             s.node_in[i] = data[i]
@@ -702,23 +705,34 @@ cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, 
     """Add weight × f(x) π_m(x) |det A_m| (both rules: weights ``weight`` and ``w5``) at
     x = c_m + A_m ξ to the moment sums; returns the mass value (for fourth differences)."""
     cdef int RT = s.R * s.T, i, j, k, nt
-    cdef double base = _place(s, m, xi) - s.shift, v, total = 0.0
+    cdef double base = _place(s, m, xi) - s.shift, v, vi, total = 0.0
     cdef double* Z
+    cdef double* P1 = s.P + 1
+    cdef double* P2 = s.P + 1 + RT
     nt = _terms(s, s.x)
-    for k in range(nt):
+    for i in range(RT * RT):
+        P2[i] = 0.0
+    for i in range(RT):
+        P1[i] = 0.0
+    for k in range(nt):                     # the point's own sums first, then both rules
         if not base + s.lf[k] > -300.0:     # (also skips subnormal weights: slow, and negligible)
             continue
         Z = s.Z + k * RT
         v = exp(base + s.lf[k])
         total += v
-        S0[0] += weight * v
-        S0b[0] += w5 * v
         for i in range(RT):
-            S1[i] += weight * v * (Z[i] - s.ref[i])
-            S1b[i] += w5 * v * (Z[i] - s.ref[i])
+            vi = v * (Z[i] - s.ref[i])
+            P1[i] += vi
             for j in range(i, RT):
-                S2[i * RT + j] += weight * v * (Z[i] - s.ref[i]) * (Z[j] - s.ref[j])
-                S2b[i * RT + j] += w5 * v * (Z[i] - s.ref[i]) * (Z[j] - s.ref[j])
+                P2[i * RT + j] += vi * (Z[j] - s.ref[j])
+    S0[0] += weight * total
+    S0b[0] += w5 * total
+    for i in range(RT):
+        S1[i] += weight * P1[i]
+        S1b[i] += w5 * P1[i]
+        for j in range(i, RT):
+            S2[i * RT + j] += weight * P2[i * RT + j]
+            S2b[i * RT + j] += w5 * P2[i * RT + j]
     return total
 
 
