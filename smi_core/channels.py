@@ -436,10 +436,9 @@ class ReparamChannel(Channel):
         redo = np.flatnonzero(error > target) if self.model.layers == 2 and target is not None else []
         if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
             better = self._pinned(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
-            take = redo[better[3] < error[redo]]
             keep = better[3] < error[redo]
             for a, b in zip((log_z, mean, cov, error), better):
-                a[take] = b[keep]
+                a[redo[keep]] = b[keep]
         return log_z, mean, cov, error
 
     # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
