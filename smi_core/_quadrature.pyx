@@ -312,48 +312,69 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const double[:, :, ::1] Vinv, const double[::1] logdetV,
                     const long[::1] start, const long[::1] stop, const double[:, ::1] nodes,
                     double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
-                    int threads=0):
-    """Route 0 with T = 2 and x = h_{<L} ∈ R^{2(L-1)} (L = 2 or 3), on nodes shared by groups of
-    samples: sample i uses rows start[i]:stop[i] of ``nodes`` = [x (2(L-1)), log weight, Φ⁻¹
-    (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x), computed once per node for the whole group),
-    and its own u_L, ω, V⁻¹: h_L = Φ⁻¹u_L, and the integrand Σ_± N([x; ±h_L]; ω, V)/|det Φ| is
-    folded over every reflection h_ℓ → -h_ℓ (Φ is even in each earlier layer), so each layer's
-    nodes cover a half plane and every node carries 2^L terms.  Terms below e^-45 of the running
-    maximum are skipped.  Moments about ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
+                    int threads=0, double delta=0.0):
+    """T = 2 polar rules on nodes shared by groups of samples: sample i uses rows
+    start[i]:stop[i] of ``nodes`` (computed once per node for the whole group) and its own ω, V⁻¹.
+
+    - Route 0 (``delta`` = 0; L = 2 or 3): x = h_{<L} ∈ R^{2(L-1)}, rows [x, log weight, Φ⁻¹
+      (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x)); h_L = Φ⁻¹u_L with the sample's u_L (row i
+      of ``u``), and the integrand Σ_± N([x; ±h_L]; ω, V)/|det Φ|.
+    - Route 1 (``delta`` = Δ > 0; L = 1 or 2): x = (h_{<L}, u_L), rows [x, log weight, Φ⁻¹,
+      log|det Φ|, g = σ_β(u_L u_Lᵀ) (4, row-major)], ``u`` the sample's y (4 values):
+      h_L = Φ⁻¹u_L (dh_L = du_L/|det Φ|) and the integrand N([h_{<L}; h_L]; ω, V) N(y; g, Δ I)
+      (log_z exact).
+    The integrand is folded over every reflection h_ℓ → -h_ℓ (Φ and g are even in each layer),
+    so each layer's nodes cover a half plane and every node carries 2^L terms.  Terms below
+    e^-45 of the running maximum are skipped.  Moments about ω: mean E[Z - ω], second
+    E[(Z - ω)(Z - ω)ᵀ]."""
     cdef Py_ssize_t n = omega.shape[0], i
-    cdef int L = Vinv.shape[1]
+    cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not (2 <= L <= POLAR_MAX_LAYERS and nodes.shape[1] == 2 * L + 4):
-        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and rows of 2L + 4 values")
+    if not ((2 <= L <= POLAR_MAX_LAYERS and nodes.shape[1] == 2 * L + 4 and not noisy)
+            or (1 <= L <= 2 and nodes.shape[1] == 2 * L + 10 and noisy and u.shape[1] == 4)):
+        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and rows of 2L + 4 values "
+                         f"(route 0), or 1 ≤ L ≤ 2, rows of 2L + 10 values and 4 outputs (route 1)")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L,
-                          &nodes[start[i], 0], stop[i] - start[i],
+            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta,
+                          &nodes[start[i], 0], nodes.shape[1], stop[i] - start[i],
                           &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        int L, const double* nodes, Py_ssize_t K,
+                        int L, double delta, const double* nodes, int width, Py_ssize_t K,
                         double* log_z, double* mean, double* second) noexcept nogil:
+    """One sample of ``integrate_polar``: per node h_L = Φ⁻¹u_L and the log constant, then the
+    2^L terms (``_polar_node2`` for L = 2, ``_polar_node`` otherwise)."""
     cdef Acc acc
     cdef Py_ssize_t k
+    cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's column
     cdef const double* nd
+    cdef const double* uu = u
     cdef double h[2]
+    cdef double lc, r2
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
+    if delta > 0:
+        const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
-    if L == 2:
-        for k in range(K):
-            nd = nodes + 8 * k
-            h[0] = nd[3] * u[0] + nd[4] * u[1]
-            h[1] = nd[5] * u[0] + nd[6] * u[1]
-            _polar_node2(&acc, omega, Vinv, nd, h, const0 + nd[2] - nd[7])
-    else:
-        for k in range(K):
-            nd = nodes + 10 * k
-            h[0] = nd[5] * u[0] + nd[6] * u[1]
-            h[1] = nd[7] * u[0] + nd[8] * u[1]
-            _polar_node(&acc, omega, Vinv, 3, nd, h, const0 + nd[4] - nd[9])   # constant L: unrolled
+    for k in range(K):
+        nd = nodes + width * k
+        lc = const0 + nd[m] - nd[m + 5]
+        if delta > 0:
+            uu = nd + 2 * (L - 1)
+            r2 = 0.0
+            for j in range(4):
+                r2 += (u[j] - nd[m + 6 + j]) * (u[j] - nd[m + 6 + j])
+            lc -= 0.5 * r2 / delta
+        h[0] = nd[m + 1] * uu[0] + nd[m + 2] * uu[1]
+        h[1] = nd[m + 3] * uu[0] + nd[m + 4] * uu[1]
+        if L == 2:
+            _polar_node2(&acc, omega, Vinv, nd, h, lc)
+        elif L == 3:
+            _polar_node(&acc, omega, Vinv, 3, nd, h, lc)        # constant L: unrolled
+        else:
+            _polar_node(&acc, omega, Vinv, 1, nd, h, lc)
     _acc_finish(&acc, log_z, mean, second)
 
 

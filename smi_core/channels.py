@@ -46,6 +46,7 @@ import numpy as np
 
 from . import _quadrature, validate
 from .kernels import first_bad_row
+from .polar import PolarRule
 from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
@@ -252,6 +253,16 @@ class Channel:
         return Moments(log_z=log_z, g_out=g_out, dg_out=dg_out, error=error)
 
 
+def _inverse_logdet(mix):
+    """Node columns [Φ⁻¹ (2×2, row-major), log|det Φ|] from mixing-kernel rows [Φ, log|det Φ|]
+    (inf where Φ is singular: integrate_polar skips those nodes)."""
+    phi, logdet = mix[:, :4].reshape(-1, 2, 2), mix[:, 4]
+    det = phi[:, 0, 0] * phi[:, 1, 1] - phi[:, 0, 1] * phi[:, 1, 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.stack([phi[:, 1, 1], -phi[:, 0, 1], -phi[:, 1, 0], phi[:, 0, 0]], 1) / det[:, None]
+    return np.concatenate([inv, logdet[:, None]], axis=1)
+
+
 def _combine(runs):
     """Moments from several independent estimates: mass-weighted average."""
     log_z = np.array([r[0] for r in runs])
@@ -263,7 +274,7 @@ def _combine(runs):
     return top + np.log(total / len(runs)), mean, second
 
 
-class ReparamChannel(Channel):
+class ReparamChannel(PolarRule, Channel):
     """Route 1: noiseless softmax deep attention, tied, r = 1 (spec §4 reparametrisation)."""
 
     route, _route_id, _delta, _n_data_noise = "reparam", 0, 0.0, 0
@@ -284,11 +295,12 @@ class ReparamChannel(Channel):
             self._n_node = model.tokens + 1
         self.model_is_points = model.layers == 1
 
-    # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point ----------------------
-    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25)
-    POLAR_MIN_SD = 0.2
-    POLAR_CHUNK = {2: 256, 3: 8}        # groups per pass (bounded memory: L = 3 has ≈ 10⁴–10⁵ nodes each)
+    # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
     POLAR_SCALE = {2: 1.0, 3: 0.5}      # node counts at the default ``nodes``
+
+    @property
+    def _ring_layers(self):
+        return self.model.layers - 1
 
     def _polar_samples(self, omega, V):
         """T = 2, L ∈ {2, 3} samples whose posterior over every earlier layer is broad: the sd of
@@ -296,143 +308,39 @@ class ReparamChannel(Channel):
         of Φ), 1/√(V⁻¹)_ℓℓ, at least POLAR_MIN_SD for every ℓ < L.  Narrower posteriors keep the
         Laplace-centred Gauss–Hermite rule (the softmax cliffs are then smooth on their scale)."""
         L = self.model.layers
-        if L not in self.POLAR_CHUNK or self.T != 2:
+        if L not in self.POLAR_SCALE or self.T != 2:
             return np.zeros(len(omega), dtype=bool)
         prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)[:, :L - 1]
         return (1.0 / np.sqrt(prec) >= self.POLAR_MIN_SD).all(axis=1)
 
-    def _polar_groups(self, omega, V):
-        """Samples that share the polar nodes: equal V and, for every earlier layer ℓ, |ω_ℓ| in
-        the same cell of width bin·√V_ℓℓ.  Returns the group of each sample (0 … G-1) and the
-        |ω_ℓ| (n, L-1)."""
-        n, L = len(omega), self.model.layers
-        mu = np.linalg.norm(omega[:, :L - 1], axis=2)
-        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(np.diagonal(V, axis1=1, axis2=2)[:, :L - 1])))
-        if (V == V[0]).all():                   # one V (state evolution, GAMP): by cells only
-            key = np.ravel_multi_index(cell.T.astype(np.int64), tuple(cell.max(axis=0).astype(np.int64) + 1))
-            return np.unique(key, return_inverse=True)[1].ravel(), mu     # (1-D: 10× faster than rows)
-        keys = np.concatenate([V.reshape(n, -1), cell], axis=1)
-        return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
+    def _polar_layers(self, group, mu, V, scale):
+        """The rings of every earlier layer h_ℓ about the origin (amp = (1 + c)^{2(ℓ-1)})."""
+        return [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
+                for l in range(self.model.layers - 1)]
 
-    def _polar_rings(self, group, mu, var, scale, amp):
-        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale nodes)
-        on [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (the prior of h_ℓ
-        below e^{-reach²/2} is left out); N(r) = min(cap·scale, ⌈scale (c0 + (c1 amp β r² +
-        c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉) angles, midpoint rule on
-        [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much Φ⁽ℓ⁻¹⁾ stretches h_ℓ
-        into the logits); k = κr with κ = max |ω_ℓ|/V_ℓℓ, the concentration of the prior on the
-        ring, ∝ e^{k cos(θ - θ₀)} (a trapezoid rule needs ∝ k points for small k, ∝ √k for
-        large); d(r) the distance of r to the group's |ω_ℓ| (fewer angles where the prior is
-        small: the trapezoid error is relative to the ring's mass).  Returns the nodes (M, 2),
-        their log weights, their group (sorted) and d(r)²/V_ℓℓ."""
-        p = self.POLAR
-        G = group.max() + 1
-        lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
-        np.minimum.at(lo, group, mu)
-        np.maximum.at(hi, group, mu)
-        v = np.empty(G)
-        v[group] = var
-        sd = np.sqrt(v)
-        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale))))
-        a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
-        r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
-        dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
-        fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))
-        kr = (hi / v)[:, None] * r                   # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
-        count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * self.model.beta * r ** 2
-                                            + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
-        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale)), 0).astype(np.int64).ravel()
-        ring = np.repeat(np.arange(count.size), count)
-        k = np.arange(ring.size) - np.repeat(np.cumsum(count) - count, count)
-        N = count[ring]
-        theta = (k + 0.5) * np.pi / N
-        radius = r.ravel()[ring]
-        x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
-        log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
-        return x, log_w, ring // r.shape[1], (dist ** 2 / v[:, None]).ravel()[ring]
+    def _polar_data(self, x):
+        """[Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x), by the generated mixing kernel."""
+        return _inverse_logdet(self._mixing_kernel(x, self.model.params))
 
-    def _polar_nodes(self, omega, V, scale):
-        """The polar rule of every group (``_polar_groups``): the product over the earlier layers
-        of each layer's rings (``_polar_rings``), as rows [x = h_{<L}, log weight, Φ⁻¹, log|det Φ|]
-        (``_quadrature.integrate_polar``; Φ = Φ⁽ᴸ⁻¹⁾(x) by the generated mixing kernel, once per
-        node for the whole group), and each sample's row range.  Like each layer's radial range,
-        the product leaves out the nodes where the prior of h_{<L} is below e^{-reach²/2}
-        (Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ > reach²: a ball instead of a box)."""
-        L = self.model.layers
-        group, mu = self._polar_groups(omega, V)
-        G = group.max() + 1
-        layers = [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
-                  for l in range(L - 1)]
-        xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
-        bounds = [np.searchsorted(own, np.arange(G + 1)) for _, _, own, _ in layers]   # own is sorted
-        for g in range(G):                          # product of the layers' rules, group by group
-            parts = [(x[e[g]:e[g + 1]], lw[e[g]:e[g + 1]], far[e[g]:e[g + 1]])
-                     for (x, lw, _, far), e in zip(layers, bounds)]
-            grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
-            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self.POLAR["reach"] ** 2
-            grids = [i[keep] for i in grids]
-            xs.append(np.concatenate([x[i] for (x, _, _), i in zip(parts, grids)], axis=1))
-            lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
-            counts[g] = len(lws[-1])
-        x, log_w = np.concatenate(xs), np.concatenate(lws)
-        mix = self._mixing_kernel(x, self.model.params)
-        phi, logdet = mix[:, :4].reshape(-1, 2, 2), mix[:, 4]
-        det = phi[:, 0, 0] * phi[:, 1, 1] - phi[:, 0, 1] * phi[:, 1, 0]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            inv = np.stack([phi[:, 1, 1], -phi[:, 0, 1], -phi[:, 1, 0], phi[:, 0, 0]], 1) / det[:, None]
-        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], inv, logdet[:, None]], axis=1))
-        stop = np.cumsum(counts)
-        return nodes, np.ascontiguousarray((stop - counts)[group]), np.ascontiguousarray(stop[group])
+    def _polar_input(self, y):
+        return self._u_model.reparametrise(y).u
 
-    def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
-        """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
-        when few samples share a V)."""
-        n, RT = len(omega), self.R * self.T
-        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
-        group, chunk = self._polar_groups(omega, V)[0], self.POLAR_CHUNK[self.model.layers]
-        for first in range(0, group.max() + 1, chunk):
-            idx = np.flatnonzero((group >= first) & (group < first + chunk))
-            nodes, start, stop = self._polar_nodes(omega[idx], V[idx], scale)
-            out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
-            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
-                                        start, stop, nodes, *out, self.threads)
-            for a, b in zip((log_z, mean, second), out):
-                a[idx] = b
-        return log_z, mean, second
+    def _polar_scale(self):
+        d = 2 * (self.model.layers - 1)
+        return (self.nodes or DEFAULT_NODES[d]) / DEFAULT_NODES[d] * self.POLAR_SCALE[self.model.layers]
+
+    def _polar_target(self):
+        return self.tol if self.tol is not None else (
+            self.PINNED["escalate"] if self.model.layers == 2 and self.error_estimate else None)
 
     def _polar(self, y, omega, V, Vinv, logdetV):
-        """Each earlier layer h_ℓ in polar coordinates about the origin (``_quadrature.integrate_polar``, rings from
-        ``_polar_rings``); ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L],
-        d = 2(L - 1)).  Error: the difference
-        to the rule with counts / 1.5; with ``tol``, counts grow by 1.5 (the previous rule as the
-        coarse one) up to three times while the estimate is above tol.  L = 2 (with the
-        estimate): the same with tol defaulting to PINNED["escalate"], and samples still above
+        """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
+        ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
+        L = 2 (with the estimate): tol defaults to PINNED["escalate"], and samples still above
         it are integrated again by the adaptive rule (``_pinned``), kept where its estimate is
         lower."""
-        n, RT = len(omega), self.R * self.T
-        u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
-        ref = np.ascontiguousarray(omega.reshape(n, RT))
-        d = 2 * (self.model.layers - 1)
-        scale = (self.nodes or DEFAULT_NODES[d]) / DEFAULT_NODES[d] * self.POLAR_SCALE[self.model.layers]
-        fine = self._polar_run(u, omega, V, Vinv, logdetV, scale)
-        error = np.full(n, np.nan)
-        if self.error_estimate:
-            coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
-            error = self._spread([fine, coarse], omega, V, Vinv, ref)
-        target = self.tol if self.tol is not None else (
-            self.PINNED["escalate"] if self.model.layers == 2 and self.error_estimate else None)
-        for _ in range(3 if target is not None else 0):
-            redo = np.flatnonzero(~(error <= target))
-            if not redo.size:
-                break
-            scale *= 1.5
-            finer = self._polar_run(u[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo], scale)
-            error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
-                                       Vinv[redo], ref[redo])
-            for a, b in zip(fine, finer):
-                a[redo] = b
-        log_z, mean, second = fine
-        mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
+        log_z, mean, cov, error = super()._polar(y, omega, V, Vinv, logdetV)
+        target = self._polar_target()
         redo = np.flatnonzero(error > target) if self.model.layers == 2 and target is not None else []
         if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
             better = self._pinned(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
@@ -633,10 +541,20 @@ class ReparamChannel(Channel):
         return np.concatenate([x, sign[:, None] * out[:, :T]], axis=1)
 
 
-class NoisyChannel(Channel):
-    """Route 2: any differentiable link with Gaussian output noise, P(y|Z) = N(y; g(Z), Δ I)."""
+class NoisyChannel(PolarRule, Channel):
+    """Route 2: any differentiable link with Gaussian output noise, P(y|Z) = N(y; g(Z), Δ I).
+
+    Tied softmax deep attention with T = 2, r = 1 and L ≤ 2 integrates broad posteriors by the
+    polar rule (smi_core.polar) in x = (h_{<L}, u_L), u_L = Φ⁽ᴸ⁻¹⁾h_L (dh_L = du_L/|det Φ|): the
+    likelihood N(y; σ_β(u_L u_Lᵀ), Δ I) depends on u_L alone and its softmax cliffs are lines
+    through u_L = 0, so u_L gets a ring rule about the origin like the earlier layers, with
+    counts × sharp = 1 + NOISY_SHARP/√Δ (the likelihood narrows the cliffs by ≈ √Δ; radial
+    counts × √sharp)."""
 
     route, _route_id = "noisy", 1
+    NOISY_SHARP = 0.8
+    POLAR_SCALE = {1: 1.0, 2: 0.5}      # ring counts at the default ``nodes``
+    POLAR_MIN_NOISE = {1: 1e-4, 2: 1e-2}    # below: too many nodes (∝ Δ^-3/4 per layer)
 
     def __init__(self, model, noise: float, **options):
         super().__init__(model, **options)
@@ -644,6 +562,58 @@ class NoisyChannel(Channel):
         self._node_kernel = model.kernel("forward")
         self._jac_kernel = model.kernel("jacobian")
         self._n_node = self._n_data_noise = int(np.prod(model.output_shape)) if model.output_shape else 1
+        spec = getattr(model, "spec", None)
+        self._polar_ok = (spec is not None and spec.architecture == "tied" and spec.link == "softmax"
+                          and spec.rank == 1 and model.tokens == 2 and model.layers in self.POLAR_SCALE
+                          and self._delta >= self.POLAR_MIN_NOISE[model.layers])
+        if self._polar_ok:
+            from .models import DeepAttention
+            self._u_model = DeepAttention(1, 2, 1, skip=model.skip, beta=model.beta, backend=model.backend,
+                                          threads=self.threads or model._threads or None)
+            if model.layers == 2:
+                self._mixing_kernel = model.kernel("mixing")
+
+    # -- T = 2 attention, L ≤ 2: the polar rule in (h_{<L}, u_L) --------------------------------
+    @property
+    def POLAR_DELTA(self):
+        return self._delta
+
+    @property
+    def _ring_layers(self):
+        return self.model.layers
+
+    def _polar_samples(self, omega, V):
+        """T = 2 attention with L ≤ 2 and Δ ≥ POLAR_MIN_NOISE[L], where the prior of every
+        layer given the others is broad (sd 1/√(V⁻¹)_ℓℓ ≥ POLAR_MIN_SD)."""
+        if not self._polar_ok:
+            return np.zeros(len(omega), dtype=bool)
+        return (1.0 / np.sqrt(np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)) >= self.POLAR_MIN_SD).all(axis=1)
+
+    def _polar_layers(self, group, mu, V, scale):
+        """Rings of h_ℓ (ℓ < L) as the reparametrised route's, and of u_L = Φ h_L from the origin
+        to (‖Φ‖ bound s = 1 for L = 1, c + √2 for L = 2) · (|ω_L| + reach·√V_LL)."""
+        L, c = self.model.layers, self.model.skip
+        s = 1.0 if L == 1 else c + np.sqrt(2.0)
+        sharp = 1.0 + self.NOISY_SHARP / np.sqrt(self._delta)
+        rings = [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + c) ** (2 * l)) for l in range(L - 1)]
+        return rings + [self._polar_rings(group, s * mu[:, L - 1], s * s * V[:, L - 1, L - 1], scale, 1.0,
+                                          sharp=sharp, origin=L > 1)]
+
+    def _polar_data(self, x):
+        """[Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ)."""
+        L = self.model.layers
+        u = x[:, 2 * (L - 1):]
+        if L == 1:
+            inv = np.tile([1.0, 0.0, 0.0, 1.0, 0.0], (len(x), 1))
+        else:
+            inv = _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x[:, :2]), self.model.params))
+        return np.concatenate([inv, self._u_model.forward(u[:, None, :]).reshape(len(x), 4)], axis=1)
+
+    def _polar_input(self, y):
+        return y
+
+    def _polar_scale(self):
+        return (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2] * self.POLAR_SCALE[self.model.layers]
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

@@ -421,7 +421,6 @@ NOISY_ADVERSARIAL = ("large omega", "softmax edge", "unrelated y")
 small_noises = st.floats(math.log(1e-4), 0.0).map(math.exp)
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): the noisy route's tol is a moment-based criterion; on some draws the (g_out, dg_out) metric exceeds 1e-6 (measured up to 9e-6)")
 @examples(5)
 @given(data=st.data(), noise=noises)
 def test_noisy_l1_state_evolution_draws(data, noise):
@@ -430,7 +429,6 @@ def test_noisy_l1_state_evolution_draws(data, noise):
     check_noisy(data.draw(se_draws(1, noise=noise)))
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): the noisy route's tol is a moment-based criterion; on some draws the (g_out, dg_out) metric exceeds 1e-6 (measured up to 9e-6)")
 @examples(3)
 @given(data=st.data(), noise=small_noises)
 def test_noisy_l1_adversarial(data, noise):
@@ -481,7 +479,7 @@ def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers,
     for i in np.flatnonzero(np.bincount(groups)[groups] > 1)[:8]:
         alone = ch.moments(y[i:i + 1], omega[i:i + 1], V)
         assert ref.metric(batch.g_out[i], batch.dg_out[i], alone.g_out[0], alone.dg_out[0]) < tol
-    monkeypatch.setattr(ReparamChannel, "POLAR_CHUNK", {2: 3, 3: 3})
+    monkeypatch.setattr(ReparamChannel, "POLAR_CHUNK", {2: 3, 4: 3})
     chunked = ch.moments(y, omega, V)
     np.testing.assert_array_equal(chunked.g_out, batch.g_out)
     np.testing.assert_array_equal(chunked.dg_out, batch.dg_out)
@@ -543,7 +541,8 @@ def test_layer_flip_symmetry(layers, noise, data):
 
 # -- the noiseless limit of the noisy route ---------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): for Δ ≤ 1e-3 the noisy route's posterior is a thin sheet with softmax cliffs and the adaptive cubature stops at max_regions before tol")
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): for Δ < 1e-2 the L = 2 noisy route falls back to the Laplace rule, whose posterior is a thin sheet with softmax cliffs, and the adaptive cubature stops at max_regions before tol")
 def test_noisy_route_approaches_reparam_route():
     """DeepAttention(2, 2): on noiseless SE outputs (q = 0.5), channel(noise=Δ) → channel() as
     Δ → 0: for Δ = 1e-2, 1e-3, 1e-4 the metric distance to the reparametrised route shrinks
@@ -586,30 +585,30 @@ NOISY_L2_DRAW = dict(
     log_z=1.70263371345111)
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): the noisy route for L = 2 (4-D, Laplace pieces + Gauss–Hermite, adaptive fallback) is off by ≈ 0.26 in the metric and 0.11 in log Z_out on this draw (measured with tol=1e-7)")
 def test_noisy_l2_known_draw():
-    """The noisy route for L = 2 (4-D integral) on NOISY_L2_DRAW, at the accuracy the 4-D
-    reference supports: metric ≤ 1e-2, |Δ log Z_out| ≤ 1e-2."""
+    """The noisy route for L = 2 (4-D integral; the default polar rule in (h_1, u_2)) on
+    NOISY_L2_DRAW, at the accuracy the 4-D reference supports (it agrees with importance
+    sampling to 2.5e-3 in the metric and 5e-4 in log Z_out): metric ≤ 3e-3, |Δ log Z_out| ≤
+    1e-3.  Measured: 3.3e-4 and 7.7e-6 (the Laplace rule was off by 0.26 and 0.11)."""
     k = NOISY_L2_DRAW
     d = Draw(k["y"], k["omega"], k["V"], "known", None, k["noise"])
     expected = ref.Reference(k["g_out"], k["dg_out"], k["log_z"], 9e-4, 0.0)
-    mo = model(2).channel(noise=k["noise"], tol=CHANNEL_TOL).moments(d.y[None], d.omega[None], d.V)
+    mo = model(2).channel(noise=k["noise"]).moments(d.y[None], d.omega[None], d.V)
     err = ref.metric(mo.g_out[0], mo.dg_out[0], expected.g_out, expected.dg_out)
     msg = describe(d, "noisy L=2", expected, mo, err)
-    assert err <= 1e-2, msg
-    assert abs(mo.log_z[0] - expected.log_z) <= 1e-2, msg
+    assert err <= 3e-3, msg
+    assert abs(mo.log_z[0] - expected.log_z) <= 1e-3, msg
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): see test_noisy_l2_known_draw")
 @settings(BASE, max_examples=6)
 @given(data=st.data(), noise=st.floats(math.log(1e-2), 0.0).map(math.exp))
 def test_noisy_l2_state_evolution_draws(data, noise):
-    """The noisy route for L = 2 against the 4-D reference (n = 5: ≈ 1e-3 accurate, 1–3 minutes
-    per draw), at 1e-2."""
+    """The noisy route for L = 2 (default polar rule) against the 4-D reference (n = 5: ≈ 1e-3
+    accurate, 1–3 minutes per draw), at 1e-2."""
     d = data.draw(se_draws(2, noise=noise))
     expected = ref.noisy_l2(d.y, d.omega, d.V, 1.0, 1.0, noise, n=5)
-    compare("noisy L=2", channel(2, noise=noise), d, expected, 1e-2, 3e-3, log_z=False)
+    compare("noisy L=2", model(2).channel(noise=noise), d, expected, 1e-2, 3e-3, log_z=False)
 
 
 # -- bad input -------------------------------------------------------------------------------------------

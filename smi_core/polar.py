@@ -1,0 +1,162 @@
+"""Polar rules for T = 2 deep attention (the channels' shared-node rule; see smi_core.channels).
+
+The softmax of a layer switches across the lines a = 0, b = 0 and a = b of its index (a, b), on
+a scale ≈ 1/(β r²) at radius r: all meet at the origin, so in polar coordinates about it the
+cliffs only make the angular integrand vary fast, and a periodic trapezoid rule in θ times
+Gauss–Legendre in r converges geometrically.  Each integrated layer gets such a rule and the
+integral takes their product (``_polar_nodes``).  The nodes depend on a sample only through V
+and the |ω_ℓ|, so samples with the same V and close |ω_ℓ| share them, and every node's
+sample-independent data (Φ⁻¹, log|det Φ|, …) is computed once for the whole group.
+
+``PolarRule`` is a mixin of the channels: a channel names the layers it integrates
+(``_polar_layers``), the node data (``_polar_data``) and what each sample contributes
+(``_polar_input``); ``_quadrature.integrate_polar`` sums the 2^L reflected terms per node.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _quadrature
+
+
+class PolarRule:
+    """Shared-node polar rules (mixin).  The channel provides ``model``, ``tol``,
+    ``error_estimate``, ``threads``, ``_spread`` and: ``_ring_layers`` (how many layers have a
+    ring rule: their |ω_ℓ| set the groups), ``_polar_layers(group, mu, V, scale)`` (the rings
+    of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (node columns after the log
+    weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
+    ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
+
+    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25, pr=0.5)
+    POLAR_MIN_SD = 0.2
+    POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
+                                        # have ≈ 10⁴–10⁵ nodes each)
+    POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
+
+    def _polar_target(self):
+        """Error tolerance of the escalation (None: no escalation)."""
+        return self.tol
+
+    def _polar_groups(self, omega, V):
+        """Samples that share the polar nodes: equal V and, for every ring layer ℓ, |ω_ℓ| in the
+        same cell of width bin·√V_ℓℓ.  Returns the group of each sample (0 … G-1) and the |ω_ℓ|
+        (n, _ring_layers)."""
+        n, count = len(omega), self._ring_layers
+        mu = np.linalg.norm(omega[:, :count], axis=2)
+        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(np.diagonal(V, axis1=1, axis2=2)[:, :count])))
+        if (V == V[0]).all():                   # one V (state evolution, GAMP): by cells only
+            key = np.ravel_multi_index(cell.T.astype(np.int64), tuple(cell.max(axis=0).astype(np.int64) + 1))
+            return np.unique(key, return_inverse=True)[1].ravel(), mu     # (1-D: 10× faster than rows)
+        keys = np.concatenate([V.reshape(n, -1), cell], axis=1)
+        return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
+
+    def _polar_rings(self, group, mu, var, scale, amp, sharp=1.0, origin=False):
+        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale·sharp
+        nodes) on [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (from 0 with
+        ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp,
+        ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉)
+        angles, midpoint rule on [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much
+        Φ⁽ℓ⁻¹⁾ stretches h_ℓ into the logits; sharp > 1 where a likelihood narrows them); k = κr
+        with κ = max |ω_ℓ|/V_ℓℓ, the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
+        (a trapezoid rule needs ∝ k points for small k, ∝ √k for large); d(r) the distance of r
+        to the group's |ω_ℓ| (fewer angles where the prior is small: the trapezoid error is
+        relative to the ring's mass).  Returns the nodes (M, 2), their log weights, their group
+        (sorted) and d(r)²/V_ℓℓ."""
+        p = self.POLAR
+        G = group.max() + 1
+        lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
+        np.minimum.at(lo, group, mu)
+        np.maximum.at(hi, group, mu)
+        if origin:
+            lo[:] = 0.0
+        v = np.empty(G)
+        v[group] = var
+        sd = np.sqrt(v)
+        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale * sharp ** p["pr"]))))
+        a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
+        r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
+        dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
+        fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))
+        kr = (hi / v)[:, None] * r                   # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
+        count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * sharp * self.model.beta * r ** 2
+                                            + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
+        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale * sharp)), 0).astype(np.int64).ravel()
+        ring = np.repeat(np.arange(count.size), count)
+        k = np.arange(ring.size) - np.repeat(np.cumsum(count) - count, count)
+        N = count[ring]
+        theta = (k + 0.5) * np.pi / N
+        radius = r.ravel()[ring]
+        x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
+        log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
+        return x, log_w, ring // r.shape[1], (dist ** 2 / v[:, None]).ravel()[ring]
+
+    def _polar_nodes(self, omega, V, scale):
+        """The polar rule of every group (``_polar_groups``): the product of the ring layers'
+        rules (``_polar_layers``), as rows [x, log weight, ``_polar_data(x)``], and each
+        sample's row range.  Like each layer's radial range, the product leaves out the nodes
+        where the prior is below e^{-reach²/2} (Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ > reach²: a ball instead of
+        a box)."""
+        group, mu = self._polar_groups(omega, V)
+        G = group.max() + 1
+        layers = self._polar_layers(group, mu, V, scale)
+        xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
+        bounds = [np.searchsorted(own, np.arange(G + 1)) for _, _, own, _ in layers]   # own is sorted
+        for g in range(G):                          # product of the layers' rules, group by group
+            parts = [(x[e[g]:e[g + 1]], lw[e[g]:e[g + 1]], far[e[g]:e[g + 1]])
+                     for (x, lw, _, far), e in zip(layers, bounds)]
+            grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
+            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self.POLAR["reach"] ** 2
+            grids = [i[keep] for i in grids]
+            xs.append(np.concatenate([x[i] for (x, _, _), i in zip(parts, grids)], axis=1))
+            lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
+            counts[g] = len(lws[-1])
+        x, log_w = np.concatenate(xs), np.concatenate(lws)
+        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], self._polar_data(x)], axis=1))
+        stop = np.cumsum(counts)
+        return nodes, np.ascontiguousarray((stop - counts)[group]), np.ascontiguousarray(stop[group])
+
+    def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
+        """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
+        when few samples share a V)."""
+        n, RT = len(omega), self.R * self.T
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        group = self._polar_groups(omega, V)[0]
+        chunk = self.POLAR_CHUNK[2 * self._ring_layers]
+        for first in range(0, group.max() + 1, chunk):
+            idx = np.flatnonzero((group >= first) & (group < first + chunk))
+            nodes, start, stop = self._polar_nodes(omega[idx], V[idx], scale)
+            out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
+            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
+                                        start, stop, nodes, *out, self.threads, self.POLAR_DELTA)
+            for a, b in zip((log_z, mean, second), out):
+                a[idx] = b
+        return log_z, mean, second
+
+    def _polar(self, y, omega, V, Vinv, logdetV):
+        """The polar rule at ``nodes`` (scaled by ``_polar_scale``).  Error: the difference to
+        the rule with counts / 1.5; with a target (``tol``), counts grow by 1.5 (the previous
+        rule as the coarse one) up to three times while the estimate is above it.  Returns
+        (log_z, E[Z], Cov[Z], error)."""
+        n, RT = len(omega), self.R * self.T
+        u = np.ascontiguousarray(self._polar_input(y))
+        ref = np.ascontiguousarray(omega.reshape(n, RT))
+        scale = self._polar_scale()
+        fine = self._polar_run(u, omega, V, Vinv, logdetV, scale)
+        error = np.full(n, np.nan)
+        if self.error_estimate:
+            coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
+            error = self._spread([fine, coarse], omega, V, Vinv, ref)
+        target = self._polar_target()
+        for _ in range(3 if target is not None else 0):
+            redo = np.flatnonzero(~(error <= target))
+            if not redo.size:
+                break
+            scale *= 1.5
+            finer = self._polar_run(u[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo], scale)
+            error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
+                                       Vinv[redo], ref[redo])
+            for a, b in zip(fine, finer):
+                a[redo] = b
+        log_z, mean, second = fine
+        mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
+        return log_z, mean, cov, error
