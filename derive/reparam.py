@@ -8,8 +8,9 @@ Row t of y = σ_β(u uᵀ) gives ℓ_ts := log(y_ts / y_tt) / β = u_t (u_s - u_
 d_ts fixes the global sign and the scale, and every other token k follows from rows t and s by
 least squares, u_k = [u_t(ℓ_tk + u_t²) + u_s(ℓ_sk + u_s²)] / (u_t² + u_s²).  The residuals
 β u_t (u_s - u_t) - log(y_ts / y_tt) of the full overdetermined system are returned so the caller
-can reject an inconsistent y.  Then h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L (adjugate over determinant) and
-log|det Φ⁽ᴸ⁻¹⁾| is the log-Jacobian of h_L ↦ u_L.  The other pre-image is (-u_L, -h_L).
+can reject an inconsistent y.  Then h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L, solved through one layer factor
+c I + A_ℓ at a time, and log|det Φ⁽ᴸ⁻¹⁾| = Σ_ℓ log|det(c I + A_ℓ)| is the log-Jacobian of
+h_L ↦ u_L.  The other pre-image is (-u_L, -h_L).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from itertools import combinations
 
 import sympy as sp
 
-from .attention import BETA, AttentionSpec, determinant, index_symbols, mixing
+from .attention import BETA, AttentionSpec, index_symbols, log_abs_det, mixing_layers, solve
 from .program import Program
 
 
@@ -54,11 +55,17 @@ def last_layer_vector(prog: Program, y: sp.Matrix) -> tuple[list, sp.Matrix]:
 
 
 def last_layer_index(prog: Program, spec: AttentionSpec, hprev: sp.Matrix, u: sp.Matrix):
-    """h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L (adjugate over determinant) and log|det Φ⁽ᴸ⁻¹⁾|."""
-    Phi = mixing(prog, spec, hprev, spec.layers - 1)
-    det, logdet = determinant(prog, Phi)
-    inv_det = prog.assign("idet", 1 / det)
-    return prog.assign_matrix("h", Phi.adjugate(method="berkowitz") * u * inv_det), logdet
+    """h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L and log|det Φ⁽ᴸ⁻¹⁾|, one layer factor at a time: with
+    Φ⁽ᴸ⁻¹⁾ = B_{L-1} ⋯ B_1, B_ℓ = c I + A_ℓ, solve B_{L-1} x = u_L, then B_{L-2} x' = x, …, down
+    to B_1 h_L = x'', each by the LU factors of its own B_ℓ (attention.log_abs_det: elimination
+    without pivoting, stable because B_ℓ is diagonally similar to a symmetric positive definite
+    matrix).  The product Φ⁽ᴸ⁻¹⁾ itself is never formed."""
+    _, attention = mixing_layers(prog, spec, hprev, spec.layers - 1, product=False)
+    factors, logdet = log_abs_det(prog, spec, attention)
+    x = list(u)
+    for L, U in reversed(factors):
+        x = solve(prog, L, U, x)
+    return sp.Matrix(x), logdet
 
 
 def _check_reparametrisable(spec: AttentionSpec) -> None:

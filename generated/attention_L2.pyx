@@ -217,15 +217,24 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
-        const double det_17 = Phi_15*Phi_16 - sig_13*sig_8;
-        const double logdet_18 = log(fabs(det_17));
+        const double x2 = c + sig_7;
+        const double Phi_15 = x2;
+        const double x3 = c + sig_14;
+        const double Phi_16 = x3;
+        const double piv_17 = x2;
+        const double mul_18 = ((fabs(piv_17) > 1.0261342003245941e-289) ? (
+       sig_13/piv_17
+    )
+    : (
+       0
+    ));
+        const double schur_19 = -mul_18*sig_8 + x3;
+        const double ldet_20 = log(fabs(piv_17*schur_19));
         out[0] = Phi_15;
         out[1] = sig_8;
         out[2] = sig_13;
         out[3] = Phi_16;
-        out[4] = logdet_18;
+        out[4] = ldet_20;
     }
     static void attention_tied_softmax_L2_T2_r2_forward(const double *in, const double *par, double *out)
     {
@@ -518,15 +527,24 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
-        const double det_17 = Phi_15*Phi_16 - sig_13*sig_8;
-        const double logdet_18 = log(fabs(det_17));
+        const double x2 = c + sig_7;
+        const double Phi_15 = x2;
+        const double x3 = c + sig_14;
+        const double Phi_16 = x3;
+        const double piv_17 = x2;
+        const double mul_18 = ((fabs(piv_17) > 1.0261342003245941e-289) ? (
+       sig_13/piv_17
+    )
+    : (
+       0
+    ));
+        const double schur_19 = -mul_18*sig_8 + x3;
+        const double ldet_20 = log(fabs(piv_17*schur_19));
         out[0] = Phi_15;
         out[1] = sig_8;
         out[2] = sig_13;
         out[3] = Phi_16;
-        out[4] = logdet_18;
+        out[4] = ldet_20;
     }
     static void attention_tied_softmax_L2_T3_r1_forward(const double *in, const double *par, double *out)
     {
@@ -1034,11 +1052,39 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
-        const double det_33 = Phi_30*Phi_31*Phi_32 - Phi_30*sig_21*sig_28 - Phi_31*sig_13*sig_27 - Phi_32*sig_12*sig_19 + sig_12*sig_21*sig_27 + sig_13*sig_19*sig_28;
-        const double logdet_34 = log(fabs(det_33));
+        const double x3 = c + sig_11;
+        const double Phi_30 = x3;
+        const double x4 = c + sig_20;
+        const double Phi_31 = x4;
+        const double x5 = c + sig_29;
+        const double Phi_32 = x5;
+        const double piv_33 = x3;
+        const double x6 = (1.0/(piv_33));
+        const double x7 = fabs(piv_33) > 1.0261342003245941e-289;
+        const double mul_34 = ((x7) ? (
+       sig_19*x6
+    )
+    : (
+       0
+    ));
+        const double schur_35 = -mul_34*sig_12 + x4;
+        const double schur_36 = -mul_34*sig_13 + sig_21;
+        const double mul_37 = ((x7) ? (
+       sig_27*x6
+    )
+    : (
+       0
+    ));
+        const double schur_38 = -mul_37*sig_12 + sig_28;
+        const double schur_39 = -mul_37*sig_13 + x5;
+        const double mul_40 = ((fabs(schur_35) > 1.0261342003245941e-289) ? (
+       schur_38/schur_35
+    )
+    : (
+       0
+    ));
+        const double schur_41 = -mul_40*schur_36 + schur_39;
+        const double ldet_42 = log(fabs(piv_33*schur_35*schur_41));
         out[0] = Phi_30;
         out[1] = sig_12;
         out[2] = sig_13;
@@ -1048,7 +1094,7 @@ cdef extern from *:
         out[6] = sig_27;
         out[7] = sig_28;
         out[8] = Phi_32;
-        out[9] = logdet_34;
+        out[9] = ldet_42;
     }
     static void attention_tied_softmax_L2_T3_r2_forward(const double *in, const double *par, double *out)
     {
@@ -1781,11 +1827,39 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
-        const double det_33 = Phi_30*Phi_31*Phi_32 - Phi_30*sig_21*sig_28 - Phi_31*sig_13*sig_27 - Phi_32*sig_12*sig_19 + sig_12*sig_21*sig_27 + sig_13*sig_19*sig_28;
-        const double logdet_34 = log(fabs(det_33));
+        const double x3 = c + sig_11;
+        const double Phi_30 = x3;
+        const double x4 = c + sig_20;
+        const double Phi_31 = x4;
+        const double x5 = c + sig_29;
+        const double Phi_32 = x5;
+        const double piv_33 = x3;
+        const double x6 = (1.0/(piv_33));
+        const double x7 = fabs(piv_33) > 1.0261342003245941e-289;
+        const double mul_34 = ((x7) ? (
+       sig_19*x6
+    )
+    : (
+       0
+    ));
+        const double schur_35 = -mul_34*sig_12 + x4;
+        const double schur_36 = -mul_34*sig_13 + sig_21;
+        const double mul_37 = ((x7) ? (
+       sig_27*x6
+    )
+    : (
+       0
+    ));
+        const double schur_38 = -mul_37*sig_12 + sig_28;
+        const double schur_39 = -mul_37*sig_13 + x5;
+        const double mul_40 = ((fabs(schur_35) > 1.0261342003245941e-289) ? (
+       schur_38/schur_35
+    )
+    : (
+       0
+    ));
+        const double schur_41 = -mul_40*schur_36 + schur_39;
+        const double ldet_42 = log(fabs(piv_33*schur_35*schur_41));
         out[0] = Phi_30;
         out[1] = sig_12;
         out[2] = sig_13;
@@ -1795,7 +1869,7 @@ cdef extern from *:
         out[6] = sig_27;
         out[7] = sig_28;
         out[8] = Phi_32;
-        out[9] = logdet_34;
+        out[9] = ldet_42;
     }
     static void attention_tied_softmax_L2_T4_r1_forward(const double *in, const double *par, double *out)
     {
@@ -2805,19 +2879,70 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
-        const double x4 = Phi_51*sig_26 + sig_28*sig_36 + sig_29*sig_46;
-        const double x5 = Phi_52*sig_36 + sig_26*sig_37 + sig_39*sig_46;
-        const double x6 = Phi_53*sig_46 + sig_26*sig_47 + sig_36*sig_48;
-        const double x7 = Phi_52 + Phi_53;
-        const double x8 = -x7;
-        const double x9 = sig_39*sig_48;
-        const double x10 = sig_28*sig_37 + sig_29*sig_47;
-        const double det_54 = -Phi_50*(-Phi_51*(Phi_52*Phi_53 - x9) - sig_28*(Phi_52*sig_37 + sig_39*sig_47) - sig_29*(Phi_53*sig_47 + sig_37*sig_48) - x10*x8) - sig_17*(Phi_51*x4 + sig_28*x5 + sig_29*x6) - sig_18*(Phi_52*x5 + sig_37*x4 + sig_39*x6) - sig_19*(Phi_53*x6 + sig_47*x4 + sig_48*x5) + (-Phi_51 - x7)*(-sig_17*x4 - sig_18*x5 - sig_19*x6) + (-sig_17*sig_26 - sig_18*sig_36 - sig_19*sig_46)*(-Phi_51*x8 + Phi_52*Phi_53 - x10 - x9);
-        const double logdet_55 = log(fabs(det_54));
+        const double x4 = c + sig_16;
+        const double Phi_50 = x4;
+        const double x5 = c + sig_27;
+        const double Phi_51 = x5;
+        const double x6 = c + sig_38;
+        const double Phi_52 = x6;
+        const double x7 = c + sig_49;
+        const double Phi_53 = x7;
+        const double piv_54 = x4;
+        const double x8 = (1.0/(piv_54));
+        const double x9 = fabs(piv_54) > 1.0261342003245941e-289;
+        const double mul_55 = ((x9) ? (
+       sig_26*x8
+    )
+    : (
+       0
+    ));
+        const double schur_56 = -mul_55*sig_17 + x5;
+        const double schur_57 = -mul_55*sig_18 + sig_28;
+        const double schur_58 = -mul_55*sig_19 + sig_29;
+        const double mul_59 = ((x9) ? (
+       sig_36*x8
+    )
+    : (
+       0
+    ));
+        const double schur_60 = -mul_59*sig_17 + sig_37;
+        const double schur_61 = -mul_59*sig_18 + x6;
+        const double schur_62 = -mul_59*sig_19 + sig_39;
+        const double mul_63 = ((x9) ? (
+       sig_46*x8
+    )
+    : (
+       0
+    ));
+        const double schur_64 = -mul_63*sig_17 + sig_47;
+        const double schur_65 = -mul_63*sig_18 + sig_48;
+        const double schur_66 = -mul_63*sig_19 + x7;
+        const double x10 = (1.0/(schur_56));
+        const double x11 = fabs(schur_56) > 1.0261342003245941e-289;
+        const double mul_67 = ((x11) ? (
+       schur_60*x10
+    )
+    : (
+       0
+    ));
+        const double schur_68 = -mul_67*schur_57 + schur_61;
+        const double schur_69 = -mul_67*schur_58 + schur_62;
+        const double mul_70 = ((x11) ? (
+       schur_64*x10
+    )
+    : (
+       0
+    ));
+        const double schur_71 = -mul_70*schur_57 + schur_65;
+        const double schur_72 = -mul_70*schur_58 + schur_66;
+        const double mul_73 = ((fabs(schur_68) > 1.0261342003245941e-289) ? (
+       schur_71/schur_68
+    )
+    : (
+       0
+    ));
+        const double schur_74 = -mul_73*schur_69 + schur_72;
+        const double ldet_75 = log(fabs(piv_54*schur_56*schur_68*schur_74));
         out[0] = Phi_50;
         out[1] = sig_17;
         out[2] = sig_18;
@@ -2834,7 +2959,7 @@ cdef extern from *:
         out[13] = sig_47;
         out[14] = sig_48;
         out[15] = Phi_53;
-        out[16] = logdet_55;
+        out[16] = ldet_75;
     }
     static void attention_tied_softmax_L2_T4_r2_forward(const double *in, const double *par, double *out)
     {
@@ -4328,19 +4453,70 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
-        const double x4 = Phi_51*sig_26 + sig_28*sig_36 + sig_29*sig_46;
-        const double x5 = Phi_52*sig_36 + sig_26*sig_37 + sig_39*sig_46;
-        const double x6 = Phi_53*sig_46 + sig_26*sig_47 + sig_36*sig_48;
-        const double x7 = Phi_52 + Phi_53;
-        const double x8 = -x7;
-        const double x9 = sig_39*sig_48;
-        const double x10 = sig_28*sig_37 + sig_29*sig_47;
-        const double det_54 = -Phi_50*(-Phi_51*(Phi_52*Phi_53 - x9) - sig_28*(Phi_52*sig_37 + sig_39*sig_47) - sig_29*(Phi_53*sig_47 + sig_37*sig_48) - x10*x8) - sig_17*(Phi_51*x4 + sig_28*x5 + sig_29*x6) - sig_18*(Phi_52*x5 + sig_37*x4 + sig_39*x6) - sig_19*(Phi_53*x6 + sig_47*x4 + sig_48*x5) + (-Phi_51 - x7)*(-sig_17*x4 - sig_18*x5 - sig_19*x6) + (-sig_17*sig_26 - sig_18*sig_36 - sig_19*sig_46)*(-Phi_51*x8 + Phi_52*Phi_53 - x10 - x9);
-        const double logdet_55 = log(fabs(det_54));
+        const double x4 = c + sig_16;
+        const double Phi_50 = x4;
+        const double x5 = c + sig_27;
+        const double Phi_51 = x5;
+        const double x6 = c + sig_38;
+        const double Phi_52 = x6;
+        const double x7 = c + sig_49;
+        const double Phi_53 = x7;
+        const double piv_54 = x4;
+        const double x8 = (1.0/(piv_54));
+        const double x9 = fabs(piv_54) > 1.0261342003245941e-289;
+        const double mul_55 = ((x9) ? (
+       sig_26*x8
+    )
+    : (
+       0
+    ));
+        const double schur_56 = -mul_55*sig_17 + x5;
+        const double schur_57 = -mul_55*sig_18 + sig_28;
+        const double schur_58 = -mul_55*sig_19 + sig_29;
+        const double mul_59 = ((x9) ? (
+       sig_36*x8
+    )
+    : (
+       0
+    ));
+        const double schur_60 = -mul_59*sig_17 + sig_37;
+        const double schur_61 = -mul_59*sig_18 + x6;
+        const double schur_62 = -mul_59*sig_19 + sig_39;
+        const double mul_63 = ((x9) ? (
+       sig_46*x8
+    )
+    : (
+       0
+    ));
+        const double schur_64 = -mul_63*sig_17 + sig_47;
+        const double schur_65 = -mul_63*sig_18 + sig_48;
+        const double schur_66 = -mul_63*sig_19 + x7;
+        const double x10 = (1.0/(schur_56));
+        const double x11 = fabs(schur_56) > 1.0261342003245941e-289;
+        const double mul_67 = ((x11) ? (
+       schur_60*x10
+    )
+    : (
+       0
+    ));
+        const double schur_68 = -mul_67*schur_57 + schur_61;
+        const double schur_69 = -mul_67*schur_58 + schur_62;
+        const double mul_70 = ((x11) ? (
+       schur_64*x10
+    )
+    : (
+       0
+    ));
+        const double schur_71 = -mul_70*schur_57 + schur_65;
+        const double schur_72 = -mul_70*schur_58 + schur_66;
+        const double mul_73 = ((fabs(schur_68) > 1.0261342003245941e-289) ? (
+       schur_71/schur_68
+    )
+    : (
+       0
+    ));
+        const double schur_74 = -mul_73*schur_69 + schur_72;
+        const double ldet_75 = log(fabs(piv_54*schur_56*schur_68*schur_74));
         out[0] = Phi_50;
         out[1] = sig_17;
         out[2] = sig_18;
@@ -4357,7 +4533,7 @@ cdef extern from *:
         out[13] = sig_47;
         out[14] = sig_48;
         out[15] = Phi_53;
-        out[16] = logdet_55;
+        out[16] = ldet_75;
     }
     """
     void attention_tied_softmax_L2_T2_r1_forward(const double*, const double*, double*) nogil

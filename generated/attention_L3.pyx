@@ -365,40 +365,59 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
+        const double x2 = c + sig_7;
+        const double Phi_15 = x2;
+        const double x3 = c + sig_14;
+        const double Phi_16 = x3;
         const double u_17 = Phi_15*z_1_0 + sig_8*z_1_1;
         const double u_18 = Phi_16*z_1_1 + sig_13*z_1_0;
         const double M_19 = (u_17*u_17);
         const double M_20 = u_17*u_18;
         const double M_21 = (u_18*u_18);
         const double m_22 = fmax(M_19, M_20);
-        const double x2 = -m_22;
-        const double e_23 = exp(beta*(M_19 + x2));
-        const double e_24 = exp(beta*(M_20 + x2));
+        const double x4 = -m_22;
+        const double e_23 = exp(beta*(M_19 + x4));
+        const double e_24 = exp(beta*(M_20 + x4));
         const double w_25 = (1.0/(e_23 + e_24));
         const double sig_26 = e_23*w_25;
         const double sig_27 = e_24*w_25;
         const double m_28 = fmax(M_20, M_21);
-        const double x3 = -m_28;
-        const double e_29 = exp(beta*(M_20 + x3));
-        const double e_30 = exp(beta*(M_21 + x3));
+        const double x5 = -m_28;
+        const double e_29 = exp(beta*(M_20 + x5));
+        const double e_30 = exp(beta*(M_21 + x5));
         const double w_31 = (1.0/(e_29 + e_30));
         const double sig_32 = e_29*w_31;
         const double sig_33 = e_30*w_31;
-        const double x4 = c + sig_26;
-        const double Phi_34 = Phi_15*x4 + sig_13*sig_27;
-        const double Phi_35 = Phi_16*sig_27 + sig_8*x4;
-        const double x5 = c + sig_33;
-        const double Phi_36 = Phi_15*sig_32 + sig_13*x5;
-        const double Phi_37 = Phi_16*x5 + sig_32*sig_8;
-        const double det_38 = Phi_34*Phi_37 - Phi_35*Phi_36;
-        const double logdet_39 = log(fabs(det_38));
+        const double x6 = c + sig_26;
+        const double Phi_34 = Phi_15*x6 + sig_13*sig_27;
+        const double Phi_35 = Phi_16*sig_27 + sig_8*x6;
+        const double x7 = c + sig_33;
+        const double Phi_36 = Phi_15*sig_32 + sig_13*x7;
+        const double Phi_37 = Phi_16*x7 + sig_32*sig_8;
+        const double piv_38 = x2;
+        const double mul_39 = ((fabs(piv_38) > 1.0261342003245941e-289) ? (
+       sig_13/piv_38
+    )
+    : (
+       0
+    ));
+        const double schur_40 = -mul_39*sig_8 + x3;
+        const double ldet_41 = log(fabs(piv_38*schur_40));
+        const double piv_42 = x6;
+        const double mul_43 = ((fabs(piv_42) > 1.0261342003245941e-289) ? (
+       sig_32/piv_42
+    )
+    : (
+       0
+    ));
+        const double schur_44 = -mul_43*sig_27 + x7;
+        const double ldet_45 = log(fabs(piv_42*schur_44));
+        const double logdet_46 = ldet_41 + ldet_45;
         out[0] = Phi_34;
         out[1] = Phi_35;
         out[2] = Phi_36;
         out[3] = Phi_37;
-        out[4] = logdet_39;
+        out[4] = logdet_46;
     }
     static void attention_tied_softmax_L3_T2_r2_forward(const double *in, const double *par, double *out)
     {
@@ -941,8 +960,10 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
+        const double x2 = c + sig_7;
+        const double Phi_15 = x2;
+        const double x3 = c + sig_14;
+        const double Phi_16 = x3;
         const double u_17 = Phi_15*z_2_0 + sig_8*z_2_1;
         const double u_18 = Phi_15*z_3_0 + sig_8*z_3_1;
         const double u_19 = Phi_16*z_2_1 + sig_13*z_2_0;
@@ -951,32 +972,49 @@ cdef extern from *:
         const double M_22 = u_17*u_19 + u_18*u_20;
         const double M_23 = (u_19*u_19) + (u_20*u_20);
         const double m_24 = fmax(M_21, M_22);
-        const double x2 = -m_24;
-        const double e_25 = exp(beta*(M_21 + x2));
-        const double e_26 = exp(beta*(M_22 + x2));
+        const double x4 = -m_24;
+        const double e_25 = exp(beta*(M_21 + x4));
+        const double e_26 = exp(beta*(M_22 + x4));
         const double w_27 = (1.0/(e_25 + e_26));
         const double sig_28 = e_25*w_27;
         const double sig_29 = e_26*w_27;
         const double m_30 = fmax(M_22, M_23);
-        const double x3 = -m_30;
-        const double e_31 = exp(beta*(M_22 + x3));
-        const double e_32 = exp(beta*(M_23 + x3));
+        const double x5 = -m_30;
+        const double e_31 = exp(beta*(M_22 + x5));
+        const double e_32 = exp(beta*(M_23 + x5));
         const double w_33 = (1.0/(e_31 + e_32));
         const double sig_34 = e_31*w_33;
         const double sig_35 = e_32*w_33;
-        const double x4 = c + sig_28;
-        const double Phi_36 = Phi_15*x4 + sig_13*sig_29;
-        const double Phi_37 = Phi_16*sig_29 + sig_8*x4;
-        const double x5 = c + sig_35;
-        const double Phi_38 = Phi_15*sig_34 + sig_13*x5;
-        const double Phi_39 = Phi_16*x5 + sig_34*sig_8;
-        const double det_40 = Phi_36*Phi_39 - Phi_37*Phi_38;
-        const double logdet_41 = log(fabs(det_40));
+        const double x6 = c + sig_28;
+        const double Phi_36 = Phi_15*x6 + sig_13*sig_29;
+        const double Phi_37 = Phi_16*sig_29 + sig_8*x6;
+        const double x7 = c + sig_35;
+        const double Phi_38 = Phi_15*sig_34 + sig_13*x7;
+        const double Phi_39 = Phi_16*x7 + sig_34*sig_8;
+        const double piv_40 = x2;
+        const double mul_41 = ((fabs(piv_40) > 1.0261342003245941e-289) ? (
+       sig_13/piv_40
+    )
+    : (
+       0
+    ));
+        const double schur_42 = -mul_41*sig_8 + x3;
+        const double ldet_43 = log(fabs(piv_40*schur_42));
+        const double piv_44 = x6;
+        const double mul_45 = ((fabs(piv_44) > 1.0261342003245941e-289) ? (
+       sig_34/piv_44
+    )
+    : (
+       0
+    ));
+        const double schur_46 = -mul_45*sig_29 + x7;
+        const double ldet_47 = log(fabs(piv_44*schur_46));
+        const double logdet_48 = ldet_43 + ldet_47;
         out[0] = Phi_36;
         out[1] = Phi_37;
         out[2] = Phi_38;
         out[3] = Phi_39;
-        out[4] = logdet_41;
+        out[4] = logdet_48;
     }
     static void attention_tied_softmax_L3_T3_r1_forward(const double *in, const double *par, double *out)
     {
@@ -1883,9 +1921,12 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
+        const double x3 = c + sig_11;
+        const double Phi_30 = x3;
+        const double x4 = c + sig_20;
+        const double Phi_31 = x4;
+        const double x5 = c + sig_29;
+        const double Phi_32 = x5;
         const double u_33 = Phi_30*z_1_0 + sig_12*z_1_1 + sig_13*z_1_2;
         const double u_34 = Phi_31*z_1_1 + sig_19*z_1_0 + sig_21*z_1_2;
         const double u_35 = Phi_32*z_1_2 + sig_27*z_1_0 + sig_28*z_1_1;
@@ -1896,46 +1937,99 @@ cdef extern from *:
         const double M_40 = u_34*u_35;
         const double M_41 = (u_35*u_35);
         const double m_42 = fmax(M_36, fmax(M_37, M_38));
-        const double x3 = -m_42;
-        const double e_43 = exp(beta*(M_36 + x3));
-        const double e_44 = exp(beta*(M_37 + x3));
-        const double e_45 = exp(beta*(M_38 + x3));
+        const double x6 = -m_42;
+        const double e_43 = exp(beta*(M_36 + x6));
+        const double e_44 = exp(beta*(M_37 + x6));
+        const double e_45 = exp(beta*(M_38 + x6));
         const double w_46 = (1.0/(e_43 + e_44 + e_45));
         const double sig_47 = e_43*w_46;
         const double sig_48 = e_44*w_46;
         const double sig_49 = e_45*w_46;
         const double m_50 = fmax(M_37, fmax(M_39, M_40));
-        const double x4 = -m_50;
-        const double e_51 = exp(beta*(M_37 + x4));
-        const double e_52 = exp(beta*(M_39 + x4));
-        const double e_53 = exp(beta*(M_40 + x4));
+        const double x7 = -m_50;
+        const double e_51 = exp(beta*(M_37 + x7));
+        const double e_52 = exp(beta*(M_39 + x7));
+        const double e_53 = exp(beta*(M_40 + x7));
         const double w_54 = (1.0/(e_51 + e_52 + e_53));
         const double sig_55 = e_51*w_54;
         const double sig_56 = e_52*w_54;
         const double sig_57 = e_53*w_54;
         const double m_58 = fmax(M_38, fmax(M_40, M_41));
-        const double x5 = -m_58;
-        const double e_59 = exp(beta*(M_38 + x5));
-        const double e_60 = exp(beta*(M_40 + x5));
-        const double e_61 = exp(beta*(M_41 + x5));
+        const double x8 = -m_58;
+        const double e_59 = exp(beta*(M_38 + x8));
+        const double e_60 = exp(beta*(M_40 + x8));
+        const double e_61 = exp(beta*(M_41 + x8));
         const double w_62 = (1.0/(e_59 + e_60 + e_61));
         const double sig_63 = e_59*w_62;
         const double sig_64 = e_60*w_62;
         const double sig_65 = e_61*w_62;
-        const double x6 = c + sig_47;
-        const double Phi_66 = Phi_30*x6 + sig_19*sig_48 + sig_27*sig_49;
-        const double Phi_67 = Phi_31*sig_48 + sig_12*x6 + sig_28*sig_49;
-        const double Phi_68 = Phi_32*sig_49 + sig_13*x6 + sig_21*sig_48;
-        const double x7 = c + sig_56;
-        const double Phi_69 = Phi_30*sig_55 + sig_19*x7 + sig_27*sig_57;
-        const double Phi_70 = Phi_31*x7 + sig_12*sig_55 + sig_28*sig_57;
-        const double Phi_71 = Phi_32*sig_57 + sig_13*sig_55 + sig_21*x7;
-        const double x8 = c + sig_65;
-        const double Phi_72 = Phi_30*sig_63 + sig_19*sig_64 + sig_27*x8;
-        const double Phi_73 = Phi_31*sig_64 + sig_12*sig_63 + sig_28*x8;
-        const double Phi_74 = Phi_32*x8 + sig_13*sig_63 + sig_21*sig_64;
-        const double det_75 = Phi_66*Phi_70*Phi_74 - Phi_66*Phi_71*Phi_73 - Phi_67*Phi_69*Phi_74 + Phi_67*Phi_71*Phi_72 + Phi_68*Phi_69*Phi_73 - Phi_68*Phi_70*Phi_72;
-        const double logdet_76 = log(fabs(det_75));
+        const double x9 = c + sig_47;
+        const double Phi_66 = Phi_30*x9 + sig_19*sig_48 + sig_27*sig_49;
+        const double Phi_67 = Phi_31*sig_48 + sig_12*x9 + sig_28*sig_49;
+        const double Phi_68 = Phi_32*sig_49 + sig_13*x9 + sig_21*sig_48;
+        const double x10 = c + sig_56;
+        const double Phi_69 = Phi_30*sig_55 + sig_19*x10 + sig_27*sig_57;
+        const double Phi_70 = Phi_31*x10 + sig_12*sig_55 + sig_28*sig_57;
+        const double Phi_71 = Phi_32*sig_57 + sig_13*sig_55 + sig_21*x10;
+        const double x11 = c + sig_65;
+        const double Phi_72 = Phi_30*sig_63 + sig_19*sig_64 + sig_27*x11;
+        const double Phi_73 = Phi_31*sig_64 + sig_12*sig_63 + sig_28*x11;
+        const double Phi_74 = Phi_32*x11 + sig_13*sig_63 + sig_21*sig_64;
+        const double piv_75 = x3;
+        const double x12 = (1.0/(piv_75));
+        const double x13 = fabs(piv_75) > 1.0261342003245941e-289;
+        const double mul_76 = ((x13) ? (
+       sig_19*x12
+    )
+    : (
+       0
+    ));
+        const double schur_77 = -mul_76*sig_12 + x4;
+        const double schur_78 = -mul_76*sig_13 + sig_21;
+        const double mul_79 = ((x13) ? (
+       sig_27*x12
+    )
+    : (
+       0
+    ));
+        const double schur_80 = -mul_79*sig_12 + sig_28;
+        const double schur_81 = -mul_79*sig_13 + x5;
+        const double mul_82 = ((fabs(schur_77) > 1.0261342003245941e-289) ? (
+       schur_80/schur_77
+    )
+    : (
+       0
+    ));
+        const double schur_83 = -mul_82*schur_78 + schur_81;
+        const double ldet_84 = log(fabs(piv_75*schur_77*schur_83));
+        const double piv_85 = x9;
+        const double x14 = (1.0/(piv_85));
+        const double x15 = fabs(piv_85) > 1.0261342003245941e-289;
+        const double mul_86 = ((x15) ? (
+       sig_55*x14
+    )
+    : (
+       0
+    ));
+        const double schur_87 = -mul_86*sig_48 + x10;
+        const double schur_88 = -mul_86*sig_49 + sig_57;
+        const double mul_89 = ((x15) ? (
+       sig_63*x14
+    )
+    : (
+       0
+    ));
+        const double schur_90 = -mul_89*sig_48 + sig_64;
+        const double schur_91 = -mul_89*sig_49 + x11;
+        const double mul_92 = ((fabs(schur_87) > 1.0261342003245941e-289) ? (
+       schur_90/schur_87
+    )
+    : (
+       0
+    ));
+        const double schur_93 = -mul_92*schur_88 + schur_91;
+        const double ldet_94 = log(fabs(piv_85*schur_87*schur_93));
+        const double logdet_95 = ldet_84 + ldet_94;
         out[0] = Phi_66;
         out[1] = Phi_67;
         out[2] = Phi_68;
@@ -1945,7 +2039,7 @@ cdef extern from *:
         out[6] = Phi_72;
         out[7] = Phi_73;
         out[8] = Phi_74;
-        out[9] = logdet_76;
+        out[9] = logdet_95;
     }
     static void attention_tied_softmax_L3_T3_r2_forward(const double *in, const double *par, double *out)
     {
@@ -3365,9 +3459,12 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
+        const double x3 = c + sig_11;
+        const double Phi_30 = x3;
+        const double x4 = c + sig_20;
+        const double Phi_31 = x4;
+        const double x5 = c + sig_29;
+        const double Phi_32 = x5;
         const double u_33 = Phi_30*z_2_0 + sig_12*z_2_1 + sig_13*z_2_2;
         const double u_34 = Phi_30*z_3_0 + sig_12*z_3_1 + sig_13*z_3_2;
         const double u_35 = Phi_31*z_2_1 + sig_19*z_2_0 + sig_21*z_2_2;
@@ -3381,46 +3478,99 @@ cdef extern from *:
         const double M_43 = u_35*u_37 + u_36*u_38;
         const double M_44 = (u_37*u_37) + (u_38*u_38);
         const double m_45 = fmax(M_39, fmax(M_40, M_41));
-        const double x3 = -m_45;
-        const double e_46 = exp(beta*(M_39 + x3));
-        const double e_47 = exp(beta*(M_40 + x3));
-        const double e_48 = exp(beta*(M_41 + x3));
+        const double x6 = -m_45;
+        const double e_46 = exp(beta*(M_39 + x6));
+        const double e_47 = exp(beta*(M_40 + x6));
+        const double e_48 = exp(beta*(M_41 + x6));
         const double w_49 = (1.0/(e_46 + e_47 + e_48));
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
         const double m_53 = fmax(M_40, fmax(M_42, M_43));
-        const double x4 = -m_53;
-        const double e_54 = exp(beta*(M_40 + x4));
-        const double e_55 = exp(beta*(M_42 + x4));
-        const double e_56 = exp(beta*(M_43 + x4));
+        const double x7 = -m_53;
+        const double e_54 = exp(beta*(M_40 + x7));
+        const double e_55 = exp(beta*(M_42 + x7));
+        const double e_56 = exp(beta*(M_43 + x7));
         const double w_57 = (1.0/(e_54 + e_55 + e_56));
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
         const double m_61 = fmax(M_41, fmax(M_43, M_44));
-        const double x5 = -m_61;
-        const double e_62 = exp(beta*(M_41 + x5));
-        const double e_63 = exp(beta*(M_43 + x5));
-        const double e_64 = exp(beta*(M_44 + x5));
+        const double x8 = -m_61;
+        const double e_62 = exp(beta*(M_41 + x8));
+        const double e_63 = exp(beta*(M_43 + x8));
+        const double e_64 = exp(beta*(M_44 + x8));
         const double w_65 = (1.0/(e_62 + e_63 + e_64));
         const double sig_66 = e_62*w_65;
         const double sig_67 = e_63*w_65;
         const double sig_68 = e_64*w_65;
-        const double x6 = c + sig_50;
-        const double Phi_69 = Phi_30*x6 + sig_19*sig_51 + sig_27*sig_52;
-        const double Phi_70 = Phi_31*sig_51 + sig_12*x6 + sig_28*sig_52;
-        const double Phi_71 = Phi_32*sig_52 + sig_13*x6 + sig_21*sig_51;
-        const double x7 = c + sig_59;
-        const double Phi_72 = Phi_30*sig_58 + sig_19*x7 + sig_27*sig_60;
-        const double Phi_73 = Phi_31*x7 + sig_12*sig_58 + sig_28*sig_60;
-        const double Phi_74 = Phi_32*sig_60 + sig_13*sig_58 + sig_21*x7;
-        const double x8 = c + sig_68;
-        const double Phi_75 = Phi_30*sig_66 + sig_19*sig_67 + sig_27*x8;
-        const double Phi_76 = Phi_31*sig_67 + sig_12*sig_66 + sig_28*x8;
-        const double Phi_77 = Phi_32*x8 + sig_13*sig_66 + sig_21*sig_67;
-        const double det_78 = Phi_69*Phi_73*Phi_77 - Phi_69*Phi_74*Phi_76 - Phi_70*Phi_72*Phi_77 + Phi_70*Phi_74*Phi_75 + Phi_71*Phi_72*Phi_76 - Phi_71*Phi_73*Phi_75;
-        const double logdet_79 = log(fabs(det_78));
+        const double x9 = c + sig_50;
+        const double Phi_69 = Phi_30*x9 + sig_19*sig_51 + sig_27*sig_52;
+        const double Phi_70 = Phi_31*sig_51 + sig_12*x9 + sig_28*sig_52;
+        const double Phi_71 = Phi_32*sig_52 + sig_13*x9 + sig_21*sig_51;
+        const double x10 = c + sig_59;
+        const double Phi_72 = Phi_30*sig_58 + sig_19*x10 + sig_27*sig_60;
+        const double Phi_73 = Phi_31*x10 + sig_12*sig_58 + sig_28*sig_60;
+        const double Phi_74 = Phi_32*sig_60 + sig_13*sig_58 + sig_21*x10;
+        const double x11 = c + sig_68;
+        const double Phi_75 = Phi_30*sig_66 + sig_19*sig_67 + sig_27*x11;
+        const double Phi_76 = Phi_31*sig_67 + sig_12*sig_66 + sig_28*x11;
+        const double Phi_77 = Phi_32*x11 + sig_13*sig_66 + sig_21*sig_67;
+        const double piv_78 = x3;
+        const double x12 = (1.0/(piv_78));
+        const double x13 = fabs(piv_78) > 1.0261342003245941e-289;
+        const double mul_79 = ((x13) ? (
+       sig_19*x12
+    )
+    : (
+       0
+    ));
+        const double schur_80 = -mul_79*sig_12 + x4;
+        const double schur_81 = -mul_79*sig_13 + sig_21;
+        const double mul_82 = ((x13) ? (
+       sig_27*x12
+    )
+    : (
+       0
+    ));
+        const double schur_83 = -mul_82*sig_12 + sig_28;
+        const double schur_84 = -mul_82*sig_13 + x5;
+        const double mul_85 = ((fabs(schur_80) > 1.0261342003245941e-289) ? (
+       schur_83/schur_80
+    )
+    : (
+       0
+    ));
+        const double schur_86 = -mul_85*schur_81 + schur_84;
+        const double ldet_87 = log(fabs(piv_78*schur_80*schur_86));
+        const double piv_88 = x9;
+        const double x14 = (1.0/(piv_88));
+        const double x15 = fabs(piv_88) > 1.0261342003245941e-289;
+        const double mul_89 = ((x15) ? (
+       sig_58*x14
+    )
+    : (
+       0
+    ));
+        const double schur_90 = -mul_89*sig_51 + x10;
+        const double schur_91 = -mul_89*sig_52 + sig_60;
+        const double mul_92 = ((x15) ? (
+       sig_66*x14
+    )
+    : (
+       0
+    ));
+        const double schur_93 = -mul_92*sig_51 + sig_67;
+        const double schur_94 = -mul_92*sig_52 + x11;
+        const double mul_95 = ((fabs(schur_90) > 1.0261342003245941e-289) ? (
+       schur_93/schur_90
+    )
+    : (
+       0
+    ));
+        const double schur_96 = -mul_95*schur_91 + schur_94;
+        const double ldet_97 = log(fabs(piv_88*schur_90*schur_96));
+        const double logdet_98 = ldet_87 + ldet_97;
         out[0] = Phi_69;
         out[1] = Phi_70;
         out[2] = Phi_71;
@@ -3430,7 +3580,7 @@ cdef extern from *:
         out[6] = Phi_75;
         out[7] = Phi_76;
         out[8] = Phi_77;
-        out[9] = logdet_79;
+        out[9] = logdet_98;
     }
     static void attention_tied_softmax_L3_T4_r1_forward(const double *in, const double *par, double *out)
     {
@@ -5280,10 +5430,14 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
+        const double x4 = c + sig_16;
+        const double Phi_50 = x4;
+        const double x5 = c + sig_27;
+        const double Phi_51 = x5;
+        const double x6 = c + sig_38;
+        const double Phi_52 = x6;
+        const double x7 = c + sig_49;
+        const double Phi_53 = x7;
         const double u_54 = Phi_50*z_1_0 + sig_17*z_1_1 + sig_18*z_1_2 + sig_19*z_1_3;
         const double u_55 = Phi_51*z_1_1 + sig_26*z_1_0 + sig_28*z_1_2 + sig_29*z_1_3;
         const double u_56 = Phi_52*z_1_2 + sig_36*z_1_0 + sig_37*z_1_1 + sig_39*z_1_3;
@@ -5299,78 +5453,182 @@ cdef extern from *:
         const double M_66 = u_56*u_57;
         const double M_67 = (u_57*u_57);
         const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
-        const double x4 = -m_68;
-        const double e_69 = exp(beta*(M_58 + x4));
-        const double e_70 = exp(beta*(M_59 + x4));
-        const double e_71 = exp(beta*(M_60 + x4));
-        const double e_72 = exp(beta*(M_61 + x4));
+        const double x8 = -m_68;
+        const double e_69 = exp(beta*(M_58 + x8));
+        const double e_70 = exp(beta*(M_59 + x8));
+        const double e_71 = exp(beta*(M_60 + x8));
+        const double e_72 = exp(beta*(M_61 + x8));
         const double w_73 = (1.0/(e_69 + e_70 + e_71 + e_72));
         const double sig_74 = e_69*w_73;
         const double sig_75 = e_70*w_73;
         const double sig_76 = e_71*w_73;
         const double sig_77 = e_72*w_73;
         const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
-        const double x5 = -m_78;
-        const double e_79 = exp(beta*(M_59 + x5));
-        const double e_80 = exp(beta*(M_62 + x5));
-        const double e_81 = exp(beta*(M_63 + x5));
-        const double e_82 = exp(beta*(M_64 + x5));
+        const double x9 = -m_78;
+        const double e_79 = exp(beta*(M_59 + x9));
+        const double e_80 = exp(beta*(M_62 + x9));
+        const double e_81 = exp(beta*(M_63 + x9));
+        const double e_82 = exp(beta*(M_64 + x9));
         const double w_83 = (1.0/(e_79 + e_80 + e_81 + e_82));
         const double sig_84 = e_79*w_83;
         const double sig_85 = e_80*w_83;
         const double sig_86 = e_81*w_83;
         const double sig_87 = e_82*w_83;
         const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
-        const double x6 = -m_88;
-        const double e_89 = exp(beta*(M_60 + x6));
-        const double e_90 = exp(beta*(M_63 + x6));
-        const double e_91 = exp(beta*(M_65 + x6));
-        const double e_92 = exp(beta*(M_66 + x6));
+        const double x10 = -m_88;
+        const double e_89 = exp(beta*(M_60 + x10));
+        const double e_90 = exp(beta*(M_63 + x10));
+        const double e_91 = exp(beta*(M_65 + x10));
+        const double e_92 = exp(beta*(M_66 + x10));
         const double w_93 = (1.0/(e_89 + e_90 + e_91 + e_92));
         const double sig_94 = e_89*w_93;
         const double sig_95 = e_90*w_93;
         const double sig_96 = e_91*w_93;
         const double sig_97 = e_92*w_93;
         const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
-        const double x7 = -m_98;
-        const double e_99 = exp(beta*(M_61 + x7));
-        const double e_100 = exp(beta*(M_64 + x7));
-        const double e_101 = exp(beta*(M_66 + x7));
-        const double e_102 = exp(beta*(M_67 + x7));
+        const double x11 = -m_98;
+        const double e_99 = exp(beta*(M_61 + x11));
+        const double e_100 = exp(beta*(M_64 + x11));
+        const double e_101 = exp(beta*(M_66 + x11));
+        const double e_102 = exp(beta*(M_67 + x11));
         const double w_103 = (1.0/(e_100 + e_101 + e_102 + e_99));
         const double sig_104 = e_99*w_103;
         const double sig_105 = e_100*w_103;
         const double sig_106 = e_101*w_103;
         const double sig_107 = e_102*w_103;
-        const double x8 = c + sig_74;
-        const double Phi_108 = Phi_50*x8 + sig_26*sig_75 + sig_36*sig_76 + sig_46*sig_77;
-        const double Phi_109 = Phi_51*sig_75 + sig_17*x8 + sig_37*sig_76 + sig_47*sig_77;
-        const double Phi_110 = Phi_52*sig_76 + sig_18*x8 + sig_28*sig_75 + sig_48*sig_77;
-        const double Phi_111 = Phi_53*sig_77 + sig_19*x8 + sig_29*sig_75 + sig_39*sig_76;
-        const double x9 = c + sig_85;
-        const double Phi_112 = Phi_50*sig_84 + sig_26*x9 + sig_36*sig_86 + sig_46*sig_87;
-        const double Phi_113 = Phi_51*x9 + sig_17*sig_84 + sig_37*sig_86 + sig_47*sig_87;
-        const double Phi_114 = Phi_52*sig_86 + sig_18*sig_84 + sig_28*x9 + sig_48*sig_87;
-        const double Phi_115 = Phi_53*sig_87 + sig_19*sig_84 + sig_29*x9 + sig_39*sig_86;
-        const double x10 = c + sig_96;
-        const double Phi_116 = Phi_50*sig_94 + sig_26*sig_95 + sig_36*x10 + sig_46*sig_97;
-        const double Phi_117 = Phi_51*sig_95 + sig_17*sig_94 + sig_37*x10 + sig_47*sig_97;
-        const double Phi_118 = Phi_52*x10 + sig_18*sig_94 + sig_28*sig_95 + sig_48*sig_97;
-        const double Phi_119 = Phi_53*sig_97 + sig_19*sig_94 + sig_29*sig_95 + sig_39*x10;
-        const double x11 = c + sig_107;
-        const double Phi_120 = Phi_50*sig_104 + sig_105*sig_26 + sig_106*sig_36 + sig_46*x11;
-        const double Phi_121 = Phi_51*sig_105 + sig_104*sig_17 + sig_106*sig_37 + sig_47*x11;
-        const double Phi_122 = Phi_52*sig_106 + sig_104*sig_18 + sig_105*sig_28 + sig_48*x11;
-        const double Phi_123 = Phi_53*x11 + sig_104*sig_19 + sig_105*sig_29 + sig_106*sig_39;
-        const double x12 = Phi_112*Phi_113 + Phi_114*Phi_116 + Phi_115*Phi_120;
-        const double x13 = Phi_112*Phi_117 + Phi_116*Phi_118 + Phi_119*Phi_120;
-        const double x14 = Phi_112*Phi_121 + Phi_116*Phi_122 + Phi_120*Phi_123;
-        const double x15 = Phi_118 + Phi_123;
-        const double x16 = -x15;
-        const double x17 = Phi_119*Phi_122;
-        const double x18 = Phi_114*Phi_117 + Phi_115*Phi_121;
-        const double det_124 = -Phi_108*(-Phi_113*(Phi_118*Phi_123 - x17) - Phi_114*(Phi_117*Phi_118 + Phi_119*Phi_121) - Phi_115*(Phi_117*Phi_122 + Phi_121*Phi_123) - x16*x18) - Phi_109*(Phi_113*x12 + Phi_114*x13 + Phi_115*x14) - Phi_110*(Phi_117*x12 + Phi_118*x13 + Phi_119*x14) - Phi_111*(Phi_121*x12 + Phi_122*x13 + Phi_123*x14) + (-Phi_113 - x15)*(-Phi_109*x12 - Phi_110*x13 - Phi_111*x14) + (-Phi_109*Phi_112 - Phi_110*Phi_116 - Phi_111*Phi_120)*(-Phi_113*x16 + Phi_118*Phi_123 - x17 - x18);
-        const double logdet_125 = log(fabs(det_124));
+        const double x12 = c + sig_74;
+        const double Phi_108 = Phi_50*x12 + sig_26*sig_75 + sig_36*sig_76 + sig_46*sig_77;
+        const double Phi_109 = Phi_51*sig_75 + sig_17*x12 + sig_37*sig_76 + sig_47*sig_77;
+        const double Phi_110 = Phi_52*sig_76 + sig_18*x12 + sig_28*sig_75 + sig_48*sig_77;
+        const double Phi_111 = Phi_53*sig_77 + sig_19*x12 + sig_29*sig_75 + sig_39*sig_76;
+        const double x13 = c + sig_85;
+        const double Phi_112 = Phi_50*sig_84 + sig_26*x13 + sig_36*sig_86 + sig_46*sig_87;
+        const double Phi_113 = Phi_51*x13 + sig_17*sig_84 + sig_37*sig_86 + sig_47*sig_87;
+        const double Phi_114 = Phi_52*sig_86 + sig_18*sig_84 + sig_28*x13 + sig_48*sig_87;
+        const double Phi_115 = Phi_53*sig_87 + sig_19*sig_84 + sig_29*x13 + sig_39*sig_86;
+        const double x14 = c + sig_96;
+        const double Phi_116 = Phi_50*sig_94 + sig_26*sig_95 + sig_36*x14 + sig_46*sig_97;
+        const double Phi_117 = Phi_51*sig_95 + sig_17*sig_94 + sig_37*x14 + sig_47*sig_97;
+        const double Phi_118 = Phi_52*x14 + sig_18*sig_94 + sig_28*sig_95 + sig_48*sig_97;
+        const double Phi_119 = Phi_53*sig_97 + sig_19*sig_94 + sig_29*sig_95 + sig_39*x14;
+        const double x15 = c + sig_107;
+        const double Phi_120 = Phi_50*sig_104 + sig_105*sig_26 + sig_106*sig_36 + sig_46*x15;
+        const double Phi_121 = Phi_51*sig_105 + sig_104*sig_17 + sig_106*sig_37 + sig_47*x15;
+        const double Phi_122 = Phi_52*sig_106 + sig_104*sig_18 + sig_105*sig_28 + sig_48*x15;
+        const double Phi_123 = Phi_53*x15 + sig_104*sig_19 + sig_105*sig_29 + sig_106*sig_39;
+        const double piv_124 = x4;
+        const double x16 = (1.0/(piv_124));
+        const double x17 = fabs(piv_124) > 1.0261342003245941e-289;
+        const double mul_125 = ((x17) ? (
+       sig_26*x16
+    )
+    : (
+       0
+    ));
+        const double schur_126 = -mul_125*sig_17 + x5;
+        const double schur_127 = -mul_125*sig_18 + sig_28;
+        const double schur_128 = -mul_125*sig_19 + sig_29;
+        const double mul_129 = ((x17) ? (
+       sig_36*x16
+    )
+    : (
+       0
+    ));
+        const double schur_130 = -mul_129*sig_17 + sig_37;
+        const double schur_131 = -mul_129*sig_18 + x6;
+        const double schur_132 = -mul_129*sig_19 + sig_39;
+        const double mul_133 = ((x17) ? (
+       sig_46*x16
+    )
+    : (
+       0
+    ));
+        const double schur_134 = -mul_133*sig_17 + sig_47;
+        const double schur_135 = -mul_133*sig_18 + sig_48;
+        const double schur_136 = -mul_133*sig_19 + x7;
+        const double x18 = (1.0/(schur_126));
+        const double x19 = fabs(schur_126) > 1.0261342003245941e-289;
+        const double mul_137 = ((x19) ? (
+       schur_130*x18
+    )
+    : (
+       0
+    ));
+        const double schur_138 = -mul_137*schur_127 + schur_131;
+        const double schur_139 = -mul_137*schur_128 + schur_132;
+        const double mul_140 = ((x19) ? (
+       schur_134*x18
+    )
+    : (
+       0
+    ));
+        const double schur_141 = -mul_140*schur_127 + schur_135;
+        const double schur_142 = -mul_140*schur_128 + schur_136;
+        const double mul_143 = ((fabs(schur_138) > 1.0261342003245941e-289) ? (
+       schur_141/schur_138
+    )
+    : (
+       0
+    ));
+        const double schur_144 = -mul_143*schur_139 + schur_142;
+        const double ldet_145 = log(fabs(piv_124*schur_126*schur_138*schur_144));
+        const double piv_146 = x12;
+        const double x20 = (1.0/(piv_146));
+        const double x21 = fabs(piv_146) > 1.0261342003245941e-289;
+        const double mul_147 = ((x21) ? (
+       sig_84*x20
+    )
+    : (
+       0
+    ));
+        const double schur_148 = -mul_147*sig_75 + x13;
+        const double schur_149 = -mul_147*sig_76 + sig_86;
+        const double schur_150 = -mul_147*sig_77 + sig_87;
+        const double mul_151 = ((x21) ? (
+       sig_94*x20
+    )
+    : (
+       0
+    ));
+        const double schur_152 = -mul_151*sig_75 + sig_95;
+        const double schur_153 = -mul_151*sig_76 + x14;
+        const double schur_154 = -mul_151*sig_77 + sig_97;
+        const double mul_155 = ((x21) ? (
+       sig_104*x20
+    )
+    : (
+       0
+    ));
+        const double schur_156 = -mul_155*sig_75 + sig_105;
+        const double schur_157 = -mul_155*sig_76 + sig_106;
+        const double schur_158 = -mul_155*sig_77 + x15;
+        const double x22 = (1.0/(schur_148));
+        const double x23 = fabs(schur_148) > 1.0261342003245941e-289;
+        const double mul_159 = ((x23) ? (
+       schur_152*x22
+    )
+    : (
+       0
+    ));
+        const double schur_160 = -mul_159*schur_149 + schur_153;
+        const double schur_161 = -mul_159*schur_150 + schur_154;
+        const double mul_162 = ((x23) ? (
+       schur_156*x22
+    )
+    : (
+       0
+    ));
+        const double schur_163 = -mul_162*schur_149 + schur_157;
+        const double schur_164 = -mul_162*schur_150 + schur_158;
+        const double mul_165 = ((fabs(schur_160) > 1.0261342003245941e-289) ? (
+       schur_163/schur_160
+    )
+    : (
+       0
+    ));
+        const double schur_166 = -mul_165*schur_161 + schur_164;
+        const double ldet_167 = log(fabs(piv_146*schur_148*schur_160*schur_166));
+        const double logdet_168 = ldet_145 + ldet_167;
         out[0] = Phi_108;
         out[1] = Phi_109;
         out[2] = Phi_110;
@@ -5387,7 +5645,7 @@ cdef extern from *:
         out[13] = Phi_121;
         out[14] = Phi_122;
         out[15] = Phi_123;
-        out[16] = logdet_125;
+        out[16] = logdet_168;
     }
     static void attention_tied_softmax_L3_T4_r2_forward(const double *in, const double *par, double *out)
     {
@@ -8345,10 +8603,14 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
+        const double x4 = c + sig_16;
+        const double Phi_50 = x4;
+        const double x5 = c + sig_27;
+        const double Phi_51 = x5;
+        const double x6 = c + sig_38;
+        const double Phi_52 = x6;
+        const double x7 = c + sig_49;
+        const double Phi_53 = x7;
         const double u_54 = Phi_50*z_2_0 + sig_17*z_2_1 + sig_18*z_2_2 + sig_19*z_2_3;
         const double u_55 = Phi_50*z_3_0 + sig_17*z_3_1 + sig_18*z_3_2 + sig_19*z_3_3;
         const double u_56 = Phi_51*z_2_1 + sig_26*z_2_0 + sig_28*z_2_2 + sig_29*z_2_3;
@@ -8368,78 +8630,182 @@ cdef extern from *:
         const double M_70 = u_58*u_60 + u_59*u_61;
         const double M_71 = (u_60*u_60) + (u_61*u_61);
         const double m_72 = fmax(M_62, fmax(M_63, fmax(M_64, M_65)));
-        const double x4 = -m_72;
-        const double e_73 = exp(beta*(M_62 + x4));
-        const double e_74 = exp(beta*(M_63 + x4));
-        const double e_75 = exp(beta*(M_64 + x4));
-        const double e_76 = exp(beta*(M_65 + x4));
+        const double x8 = -m_72;
+        const double e_73 = exp(beta*(M_62 + x8));
+        const double e_74 = exp(beta*(M_63 + x8));
+        const double e_75 = exp(beta*(M_64 + x8));
+        const double e_76 = exp(beta*(M_65 + x8));
         const double w_77 = (1.0/(e_73 + e_74 + e_75 + e_76));
         const double sig_78 = e_73*w_77;
         const double sig_79 = e_74*w_77;
         const double sig_80 = e_75*w_77;
         const double sig_81 = e_76*w_77;
         const double m_82 = fmax(M_63, fmax(M_66, fmax(M_67, M_68)));
-        const double x5 = -m_82;
-        const double e_83 = exp(beta*(M_63 + x5));
-        const double e_84 = exp(beta*(M_66 + x5));
-        const double e_85 = exp(beta*(M_67 + x5));
-        const double e_86 = exp(beta*(M_68 + x5));
+        const double x9 = -m_82;
+        const double e_83 = exp(beta*(M_63 + x9));
+        const double e_84 = exp(beta*(M_66 + x9));
+        const double e_85 = exp(beta*(M_67 + x9));
+        const double e_86 = exp(beta*(M_68 + x9));
         const double w_87 = (1.0/(e_83 + e_84 + e_85 + e_86));
         const double sig_88 = e_83*w_87;
         const double sig_89 = e_84*w_87;
         const double sig_90 = e_85*w_87;
         const double sig_91 = e_86*w_87;
         const double m_92 = fmax(M_64, fmax(M_67, fmax(M_69, M_70)));
-        const double x6 = -m_92;
-        const double e_93 = exp(beta*(M_64 + x6));
-        const double e_94 = exp(beta*(M_67 + x6));
-        const double e_95 = exp(beta*(M_69 + x6));
-        const double e_96 = exp(beta*(M_70 + x6));
+        const double x10 = -m_92;
+        const double e_93 = exp(beta*(M_64 + x10));
+        const double e_94 = exp(beta*(M_67 + x10));
+        const double e_95 = exp(beta*(M_69 + x10));
+        const double e_96 = exp(beta*(M_70 + x10));
         const double w_97 = (1.0/(e_93 + e_94 + e_95 + e_96));
         const double sig_98 = e_93*w_97;
         const double sig_99 = e_94*w_97;
         const double sig_100 = e_95*w_97;
         const double sig_101 = e_96*w_97;
         const double m_102 = fmax(M_65, fmax(M_68, fmax(M_70, M_71)));
-        const double x7 = -m_102;
-        const double e_103 = exp(beta*(M_65 + x7));
-        const double e_104 = exp(beta*(M_68 + x7));
-        const double e_105 = exp(beta*(M_70 + x7));
-        const double e_106 = exp(beta*(M_71 + x7));
+        const double x11 = -m_102;
+        const double e_103 = exp(beta*(M_65 + x11));
+        const double e_104 = exp(beta*(M_68 + x11));
+        const double e_105 = exp(beta*(M_70 + x11));
+        const double e_106 = exp(beta*(M_71 + x11));
         const double w_107 = (1.0/(e_103 + e_104 + e_105 + e_106));
         const double sig_108 = e_103*w_107;
         const double sig_109 = e_104*w_107;
         const double sig_110 = e_105*w_107;
         const double sig_111 = e_106*w_107;
-        const double x8 = c + sig_78;
-        const double Phi_112 = Phi_50*x8 + sig_26*sig_79 + sig_36*sig_80 + sig_46*sig_81;
-        const double Phi_113 = Phi_51*sig_79 + sig_17*x8 + sig_37*sig_80 + sig_47*sig_81;
-        const double Phi_114 = Phi_52*sig_80 + sig_18*x8 + sig_28*sig_79 + sig_48*sig_81;
-        const double Phi_115 = Phi_53*sig_81 + sig_19*x8 + sig_29*sig_79 + sig_39*sig_80;
-        const double x9 = c + sig_89;
-        const double Phi_116 = Phi_50*sig_88 + sig_26*x9 + sig_36*sig_90 + sig_46*sig_91;
-        const double Phi_117 = Phi_51*x9 + sig_17*sig_88 + sig_37*sig_90 + sig_47*sig_91;
-        const double Phi_118 = Phi_52*sig_90 + sig_18*sig_88 + sig_28*x9 + sig_48*sig_91;
-        const double Phi_119 = Phi_53*sig_91 + sig_19*sig_88 + sig_29*x9 + sig_39*sig_90;
-        const double x10 = c + sig_100;
-        const double Phi_120 = Phi_50*sig_98 + sig_101*sig_46 + sig_26*sig_99 + sig_36*x10;
-        const double Phi_121 = Phi_51*sig_99 + sig_101*sig_47 + sig_17*sig_98 + sig_37*x10;
-        const double Phi_122 = Phi_52*x10 + sig_101*sig_48 + sig_18*sig_98 + sig_28*sig_99;
-        const double Phi_123 = Phi_53*sig_101 + sig_19*sig_98 + sig_29*sig_99 + sig_39*x10;
-        const double x11 = c + sig_111;
-        const double Phi_124 = Phi_50*sig_108 + sig_109*sig_26 + sig_110*sig_36 + sig_46*x11;
-        const double Phi_125 = Phi_51*sig_109 + sig_108*sig_17 + sig_110*sig_37 + sig_47*x11;
-        const double Phi_126 = Phi_52*sig_110 + sig_108*sig_18 + sig_109*sig_28 + sig_48*x11;
-        const double Phi_127 = Phi_53*x11 + sig_108*sig_19 + sig_109*sig_29 + sig_110*sig_39;
-        const double x12 = Phi_116*Phi_117 + Phi_118*Phi_120 + Phi_119*Phi_124;
-        const double x13 = Phi_116*Phi_121 + Phi_120*Phi_122 + Phi_123*Phi_124;
-        const double x14 = Phi_116*Phi_125 + Phi_120*Phi_126 + Phi_124*Phi_127;
-        const double x15 = Phi_122 + Phi_127;
-        const double x16 = -x15;
-        const double x17 = Phi_123*Phi_126;
-        const double x18 = Phi_118*Phi_121 + Phi_119*Phi_125;
-        const double det_128 = -Phi_112*(-Phi_117*(Phi_122*Phi_127 - x17) - Phi_118*(Phi_121*Phi_122 + Phi_123*Phi_125) - Phi_119*(Phi_121*Phi_126 + Phi_125*Phi_127) - x16*x18) - Phi_113*(Phi_117*x12 + Phi_118*x13 + Phi_119*x14) - Phi_114*(Phi_121*x12 + Phi_122*x13 + Phi_123*x14) - Phi_115*(Phi_125*x12 + Phi_126*x13 + Phi_127*x14) + (-Phi_117 - x15)*(-Phi_113*x12 - Phi_114*x13 - Phi_115*x14) + (-Phi_113*Phi_116 - Phi_114*Phi_120 - Phi_115*Phi_124)*(-Phi_117*x16 + Phi_122*Phi_127 - x17 - x18);
-        const double logdet_129 = log(fabs(det_128));
+        const double x12 = c + sig_78;
+        const double Phi_112 = Phi_50*x12 + sig_26*sig_79 + sig_36*sig_80 + sig_46*sig_81;
+        const double Phi_113 = Phi_51*sig_79 + sig_17*x12 + sig_37*sig_80 + sig_47*sig_81;
+        const double Phi_114 = Phi_52*sig_80 + sig_18*x12 + sig_28*sig_79 + sig_48*sig_81;
+        const double Phi_115 = Phi_53*sig_81 + sig_19*x12 + sig_29*sig_79 + sig_39*sig_80;
+        const double x13 = c + sig_89;
+        const double Phi_116 = Phi_50*sig_88 + sig_26*x13 + sig_36*sig_90 + sig_46*sig_91;
+        const double Phi_117 = Phi_51*x13 + sig_17*sig_88 + sig_37*sig_90 + sig_47*sig_91;
+        const double Phi_118 = Phi_52*sig_90 + sig_18*sig_88 + sig_28*x13 + sig_48*sig_91;
+        const double Phi_119 = Phi_53*sig_91 + sig_19*sig_88 + sig_29*x13 + sig_39*sig_90;
+        const double x14 = c + sig_100;
+        const double Phi_120 = Phi_50*sig_98 + sig_101*sig_46 + sig_26*sig_99 + sig_36*x14;
+        const double Phi_121 = Phi_51*sig_99 + sig_101*sig_47 + sig_17*sig_98 + sig_37*x14;
+        const double Phi_122 = Phi_52*x14 + sig_101*sig_48 + sig_18*sig_98 + sig_28*sig_99;
+        const double Phi_123 = Phi_53*sig_101 + sig_19*sig_98 + sig_29*sig_99 + sig_39*x14;
+        const double x15 = c + sig_111;
+        const double Phi_124 = Phi_50*sig_108 + sig_109*sig_26 + sig_110*sig_36 + sig_46*x15;
+        const double Phi_125 = Phi_51*sig_109 + sig_108*sig_17 + sig_110*sig_37 + sig_47*x15;
+        const double Phi_126 = Phi_52*sig_110 + sig_108*sig_18 + sig_109*sig_28 + sig_48*x15;
+        const double Phi_127 = Phi_53*x15 + sig_108*sig_19 + sig_109*sig_29 + sig_110*sig_39;
+        const double piv_128 = x4;
+        const double x16 = (1.0/(piv_128));
+        const double x17 = fabs(piv_128) > 1.0261342003245941e-289;
+        const double mul_129 = ((x17) ? (
+       sig_26*x16
+    )
+    : (
+       0
+    ));
+        const double schur_130 = -mul_129*sig_17 + x5;
+        const double schur_131 = -mul_129*sig_18 + sig_28;
+        const double schur_132 = -mul_129*sig_19 + sig_29;
+        const double mul_133 = ((x17) ? (
+       sig_36*x16
+    )
+    : (
+       0
+    ));
+        const double schur_134 = -mul_133*sig_17 + sig_37;
+        const double schur_135 = -mul_133*sig_18 + x6;
+        const double schur_136 = -mul_133*sig_19 + sig_39;
+        const double mul_137 = ((x17) ? (
+       sig_46*x16
+    )
+    : (
+       0
+    ));
+        const double schur_138 = -mul_137*sig_17 + sig_47;
+        const double schur_139 = -mul_137*sig_18 + sig_48;
+        const double schur_140 = -mul_137*sig_19 + x7;
+        const double x18 = (1.0/(schur_130));
+        const double x19 = fabs(schur_130) > 1.0261342003245941e-289;
+        const double mul_141 = ((x19) ? (
+       schur_134*x18
+    )
+    : (
+       0
+    ));
+        const double schur_142 = -mul_141*schur_131 + schur_135;
+        const double schur_143 = -mul_141*schur_132 + schur_136;
+        const double mul_144 = ((x19) ? (
+       schur_138*x18
+    )
+    : (
+       0
+    ));
+        const double schur_145 = -mul_144*schur_131 + schur_139;
+        const double schur_146 = -mul_144*schur_132 + schur_140;
+        const double mul_147 = ((fabs(schur_142) > 1.0261342003245941e-289) ? (
+       schur_145/schur_142
+    )
+    : (
+       0
+    ));
+        const double schur_148 = -mul_147*schur_143 + schur_146;
+        const double ldet_149 = log(fabs(piv_128*schur_130*schur_142*schur_148));
+        const double piv_150 = x12;
+        const double x20 = (1.0/(piv_150));
+        const double x21 = fabs(piv_150) > 1.0261342003245941e-289;
+        const double mul_151 = ((x21) ? (
+       sig_88*x20
+    )
+    : (
+       0
+    ));
+        const double schur_152 = -mul_151*sig_79 + x13;
+        const double schur_153 = -mul_151*sig_80 + sig_90;
+        const double schur_154 = -mul_151*sig_81 + sig_91;
+        const double mul_155 = ((x21) ? (
+       sig_98*x20
+    )
+    : (
+       0
+    ));
+        const double schur_156 = -mul_155*sig_79 + sig_99;
+        const double schur_157 = -mul_155*sig_80 + x14;
+        const double schur_158 = -mul_155*sig_81 + sig_101;
+        const double mul_159 = ((x21) ? (
+       sig_108*x20
+    )
+    : (
+       0
+    ));
+        const double schur_160 = -mul_159*sig_79 + sig_109;
+        const double schur_161 = -mul_159*sig_80 + sig_110;
+        const double schur_162 = -mul_159*sig_81 + x15;
+        const double x22 = (1.0/(schur_152));
+        const double x23 = fabs(schur_152) > 1.0261342003245941e-289;
+        const double mul_163 = ((x23) ? (
+       schur_156*x22
+    )
+    : (
+       0
+    ));
+        const double schur_164 = -mul_163*schur_153 + schur_157;
+        const double schur_165 = -mul_163*schur_154 + schur_158;
+        const double mul_166 = ((x23) ? (
+       schur_160*x22
+    )
+    : (
+       0
+    ));
+        const double schur_167 = -mul_166*schur_153 + schur_161;
+        const double schur_168 = -mul_166*schur_154 + schur_162;
+        const double mul_169 = ((fabs(schur_164) > 1.0261342003245941e-289) ? (
+       schur_167/schur_164
+    )
+    : (
+       0
+    ));
+        const double schur_170 = -mul_169*schur_165 + schur_168;
+        const double ldet_171 = log(fabs(piv_150*schur_152*schur_164*schur_170));
+        const double logdet_172 = ldet_149 + ldet_171;
         out[0] = Phi_112;
         out[1] = Phi_113;
         out[2] = Phi_114;
@@ -8456,7 +8822,7 @@ cdef extern from *:
         out[13] = Phi_125;
         out[14] = Phi_126;
         out[15] = Phi_127;
-        out[16] = logdet_129;
+        out[16] = logdet_172;
     }
     """
     void attention_tied_softmax_L3_T2_r1_forward(const double*, const double*, double*) nogil

@@ -398,38 +398,45 @@ cdef extern from *:
         const double x1 = (1.0/(D_6));
         const double ut_7 = -ell_4*x1;
         const double us_8 = ell_5*x1;
-        const double x2 = us_8 - ut_7;
-        const double res_9 = beta*(-ell_4 + ut_7*x2);
-        const double res_10 = beta*(-ell_5 - us_8*x2);
+        const double x2 = -ut_7;
+        const double x3 = us_8 + x2;
+        const double res_9 = beta*(-ell_4 + ut_7*x3);
+        const double res_10 = beta*(-ell_5 - us_8*x3);
         const double M_11 = (z_0_0*z_0_0);
         const double M_12 = z_0_0*z_0_1;
         const double M_13 = (z_0_1*z_0_1);
         const double m_14 = fmax(M_11, M_12);
-        const double x3 = -m_14;
-        const double e_15 = exp(beta*(M_11 + x3));
-        const double e_16 = exp(beta*(M_12 + x3));
+        const double x4 = -m_14;
+        const double e_15 = exp(beta*(M_11 + x4));
+        const double e_16 = exp(beta*(M_12 + x4));
         const double w_17 = (1.0/(e_15 + e_16));
         const double sig_18 = e_15*w_17;
         const double sig_19 = e_16*w_17;
         const double m_20 = fmax(M_12, M_13);
-        const double x4 = -m_20;
-        const double e_21 = exp(beta*(M_12 + x4));
-        const double e_22 = exp(beta*(M_13 + x4));
+        const double x5 = -m_20;
+        const double e_21 = exp(beta*(M_12 + x5));
+        const double e_22 = exp(beta*(M_13 + x5));
         const double w_23 = (1.0/(e_21 + e_22));
         const double sig_24 = e_21*w_23;
         const double sig_25 = e_22*w_23;
-        const double Phi_26 = c + sig_18;
-        const double Phi_27 = c + sig_25;
-        const double det_28 = Phi_26*Phi_27 - sig_19*sig_24;
-        const double logdet_29 = log(fabs(det_28));
-        const double idet_30 = (1.0/(det_28));
-        const double h_31 = idet_30*(Phi_27*ut_7 - sig_19*us_8);
-        const double h_32 = idet_30*(Phi_26*us_8 - sig_24*ut_7);
+        const double piv_26 = c + sig_18;
+        const double x6 = (1.0/(piv_26));
+        const double mul_27 = ((fabs(piv_26) > 1.0261342003245941e-289) ? (
+       sig_24*x6
+    )
+    : (
+       0
+    ));
+        const double schur_28 = c - mul_27*sig_19 + sig_25;
+        const double ldet_29 = log(fabs(piv_26*schur_28));
+        const double fwd_30 = -mul_27*ut_7 + us_8;
+        const double bwd_31 = fwd_30/schur_28;
+        const double bwd_32 = x6*(-bwd_31*sig_19 - x2);
         out[0] = ut_7;
         out[1] = us_8;
-        out[2] = h_31;
-        out[3] = h_32;
-        out[4] = logdet_29;
+        out[2] = bwd_32;
+        out[3] = bwd_31;
+        out[4] = ldet_29;
         out[5] = res_9;
         out[6] = res_10;
     }
@@ -458,16 +465,22 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
-        const double det_17 = Phi_15*Phi_16 - sig_13*sig_8;
-        const double logdet_18 = log(fabs(det_17));
-        const double idet_19 = (1.0/(det_17));
-        const double h_20 = idet_19*(Phi_16*u_0_0 - sig_8*u_1_0);
-        const double h_21 = idet_19*(Phi_15*u_1_0 - sig_13*u_0_0);
-        out[0] = h_20;
-        out[1] = h_21;
-        out[2] = logdet_18;
+        const double piv_15 = c + sig_7;
+        const double x2 = (1.0/(piv_15));
+        const double mul_16 = ((fabs(piv_15) > 1.0261342003245941e-289) ? (
+       sig_13*x2
+    )
+    : (
+       0
+    ));
+        const double schur_17 = c - mul_16*sig_8 + sig_14;
+        const double ldet_18 = log(fabs(piv_15*schur_17));
+        const double fwd_19 = -mul_16*u_0_0 + u_1_0;
+        const double bwd_20 = fwd_19/schur_17;
+        const double bwd_21 = x2*(-bwd_20*sig_8 + u_0_0);
+        out[0] = bwd_21;
+        out[1] = bwd_20;
+        out[2] = ldet_18;
     }
     static void attention_tied_softmax_L2_T2_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -516,47 +529,70 @@ cdef extern from *:
         const double p_37 = x4;
         const double d_38 = p_36*z_0_1;
         const double d_39 = p_23*p_37 + p_36*z_0_0;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
-        const double det_17 = Phi_15*Phi_16 - sig_13*sig_8;
-        const double p_40 = -sig_8;
-        const double p_41 = -sig_13;
-        const double d_42 = Phi_15*d_38 + Phi_16*d_26 + d_30*p_41 + d_34*p_40;
-        const double d_43 = Phi_15*d_39 + Phi_16*d_27 + d_31*p_41 + d_35*p_40;
-        const double x6 = fabs(det_17);
-        const double logdet_18 = log(x6);
-        const double p_44 = (((det_17) > 0) - ((det_17) < 0))/x6;
-        const double d_45 = d_42*p_44;
-        const double d_46 = d_43*p_44;
-        const double idet_19 = (1.0/(det_17));
-        const double p_47 = -(idet_19*idet_19);
-        const double d_48 = d_42*p_47;
-        const double d_49 = d_43*p_47;
-        const double x7 = Phi_16*u_0_0 - sig_8*u_1_0;
-        const double h_20 = idet_19*x7;
-        const double x8 = idet_19*u_0_0;
-        const double p_50 = x8;
-        const double p_51 = x7;
-        const double x9 = idet_19*u_1_0;
-        const double p_52 = -x9;
-        const double d_53 = d_30*p_52 + d_38*p_50 + d_48*p_51;
-        const double d_54 = d_31*p_52 + d_39*p_50 + d_49*p_51;
-        const double x10 = Phi_15*u_1_0 - sig_13*u_0_0;
-        const double h_21 = idet_19*x10;
-        const double p_55 = x9;
-        const double p_56 = x10;
-        const double p_57 = -x8;
-        const double d_58 = d_26*p_55 + d_34*p_57 + d_48*p_56;
-        const double d_59 = d_27*p_55 + d_35*p_57 + d_49*p_56;
-        out[0] = h_20;
-        out[1] = h_21;
-        out[2] = logdet_18;
-        out[3] = d_53;
-        out[4] = d_54;
-        out[5] = d_58;
-        out[6] = d_59;
-        out[7] = d_45;
-        out[8] = d_46;
+        const double piv_15 = c + sig_7;
+        const double x6 = (1.0/(piv_15));
+        const double x7 = fabs(piv_15) > 1.0261342003245941e-289;
+        const double mul_16 = ((x7) ? (
+       sig_13*x6
+    )
+    : (
+       0
+    ));
+        const double x8 = (1.0/(piv_15*piv_15));
+        const double p_40 = ((x7) ? (
+       -sig_13*x8
+    )
+    : (
+       0
+    ));
+        const double p_41 = ((x7) ? (
+       x6
+    )
+    : (
+       0
+    ));
+        const double d_42 = d_26*p_40 + d_34*p_41;
+        const double d_43 = d_27*p_40 + d_35*p_41;
+        const double schur_17 = c - mul_16*sig_8 + sig_14;
+        const double p_44 = -sig_8;
+        const double p_45 = -mul_16;
+        const double d_46 = d_30*p_45 + d_38 + d_42*p_44;
+        const double d_47 = d_31*p_45 + d_39 + d_43*p_44;
+        const double x9 = piv_15*schur_17;
+        const double x10 = fabs(x9);
+        const double ldet_18 = log(x10);
+        const double x11 = (((x9) > 0) - ((x9) < 0))/x10;
+        const double p_48 = schur_17*x11;
+        const double p_49 = piv_15*x11;
+        const double d_50 = d_26*p_48 + d_46*p_49;
+        const double d_51 = d_27*p_48 + d_47*p_49;
+        const double fwd_19 = -mul_16*u_0_0 + u_1_0;
+        const double x12 = -u_0_0;
+        const double p_52 = x12;
+        const double d_53 = d_42*p_52;
+        const double d_54 = d_43*p_52;
+        const double x13 = (1.0/(schur_17));
+        const double bwd_20 = fwd_19*x13;
+        const double p_55 = x13;
+        const double p_56 = -bwd_20*x13;
+        const double d_57 = d_46*p_56 + d_53*p_55;
+        const double d_58 = d_47*p_56 + d_54*p_55;
+        const double x14 = bwd_20*sig_8 + x12;
+        const double bwd_21 = -x14*x6;
+        const double p_59 = -sig_8*x6;
+        const double p_60 = x14*x8;
+        const double p_61 = -bwd_20*x6;
+        const double d_62 = d_26*p_60 + d_30*p_61 + d_57*p_59;
+        const double d_63 = d_27*p_60 + d_31*p_61 + d_58*p_59;
+        out[0] = bwd_21;
+        out[1] = bwd_20;
+        out[2] = ldet_18;
+        out[3] = d_62;
+        out[4] = d_63;
+        out[5] = d_57;
+        out[6] = d_58;
+        out[7] = d_50;
+        out[8] = d_51;
     }
     static void attention_tied_softmax_L2_T3_r1_reparam(const double *in, const double *par, double *out)
     {
@@ -647,16 +683,17 @@ cdef extern from *:
     : (
        us_27
     )));
-        const double x16 = u_30 - u_31;
-        const double res_33 = beta*(-ell_9 - u_30*x16);
-        const double x17 = -u_32;
-        const double x18 = u_30 + x17;
-        const double res_34 = beta*(-ell_10 - u_30*x18);
-        const double res_35 = beta*(-ell_11 + u_31*x16);
-        const double x19 = u_31 + x17;
-        const double res_36 = beta*(-ell_12 - u_31*x19);
-        const double res_37 = beta*(-ell_13 + u_32*x18);
-        const double res_38 = beta*(-ell_14 + u_32*x19);
+        const double x16 = -u_31;
+        const double x17 = u_30 + x16;
+        const double res_33 = beta*(-ell_9 - u_30*x17);
+        const double x18 = -u_32;
+        const double x19 = u_30 + x18;
+        const double res_34 = beta*(-ell_10 - u_30*x19);
+        const double res_35 = beta*(-ell_11 + u_31*x17);
+        const double x20 = u_31 + x18;
+        const double res_36 = beta*(-ell_12 - u_31*x20);
+        const double res_37 = beta*(-ell_13 + u_32*x19);
+        const double res_38 = beta*(-ell_14 + u_32*x20);
         const double M_39 = (z_0_0*z_0_0);
         const double M_40 = z_0_0*z_0_1;
         const double M_41 = z_0_0*z_0_2;
@@ -664,52 +701,72 @@ cdef extern from *:
         const double M_43 = z_0_1*z_0_2;
         const double M_44 = (z_0_2*z_0_2);
         const double m_45 = fmax(M_39, fmax(M_40, M_41));
-        const double x20 = -m_45;
-        const double e_46 = exp(beta*(M_39 + x20));
-        const double e_47 = exp(beta*(M_40 + x20));
-        const double e_48 = exp(beta*(M_41 + x20));
+        const double x21 = -m_45;
+        const double e_46 = exp(beta*(M_39 + x21));
+        const double e_47 = exp(beta*(M_40 + x21));
+        const double e_48 = exp(beta*(M_41 + x21));
         const double w_49 = (1.0/(e_46 + e_47 + e_48));
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
         const double m_53 = fmax(M_40, fmax(M_42, M_43));
-        const double x21 = -m_53;
-        const double e_54 = exp(beta*(M_40 + x21));
-        const double e_55 = exp(beta*(M_42 + x21));
-        const double e_56 = exp(beta*(M_43 + x21));
+        const double x22 = -m_53;
+        const double e_54 = exp(beta*(M_40 + x22));
+        const double e_55 = exp(beta*(M_42 + x22));
+        const double e_56 = exp(beta*(M_43 + x22));
         const double w_57 = (1.0/(e_54 + e_55 + e_56));
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
         const double m_61 = fmax(M_41, fmax(M_43, M_44));
-        const double x22 = -m_61;
-        const double e_62 = exp(beta*(M_41 + x22));
-        const double e_63 = exp(beta*(M_43 + x22));
-        const double e_64 = exp(beta*(M_44 + x22));
+        const double x23 = -m_61;
+        const double e_62 = exp(beta*(M_41 + x23));
+        const double e_63 = exp(beta*(M_43 + x23));
+        const double e_64 = exp(beta*(M_44 + x23));
         const double w_65 = (1.0/(e_62 + e_63 + e_64));
         const double sig_66 = e_62*w_65;
         const double sig_67 = e_63*w_65;
         const double sig_68 = e_64*w_65;
-        const double Phi_69 = c + sig_50;
-        const double Phi_70 = c + sig_59;
-        const double Phi_71 = c + sig_68;
-        const double x23 = Phi_70*Phi_71;
-        const double x24 = sig_60*sig_67;
-        const double x25 = Phi_70*sig_52;
-        const double x26 = Phi_71*sig_51;
-        const double det_72 = Phi_69*x23 - Phi_69*x24 + sig_51*sig_60*sig_66 + sig_52*sig_58*sig_67 - sig_58*x26 - sig_66*x25;
-        const double logdet_73 = log(fabs(det_72));
-        const double idet_74 = (1.0/(det_72));
-        const double h_75 = idet_74*(u_30*(x23 - x24) + u_31*(sig_52*sig_67 - x26) + u_32*(sig_51*sig_60 - x25));
-        const double h_76 = idet_74*(u_30*(-Phi_71*sig_58 + sig_60*sig_66) + u_31*(Phi_69*Phi_71 - sig_52*sig_66) + u_32*(-Phi_69*sig_60 + sig_52*sig_58));
-        const double h_77 = idet_74*(u_30*(-Phi_70*sig_66 + sig_58*sig_67) + u_31*(-Phi_69*sig_67 + sig_51*sig_66) + u_32*(Phi_69*Phi_70 - sig_51*sig_58));
+        const double piv_69 = c + sig_50;
+        const double x24 = (1.0/(piv_69));
+        const double x25 = fabs(piv_69) > 1.0261342003245941e-289;
+        const double mul_70 = ((x25) ? (
+       sig_58*x24
+    )
+    : (
+       0
+    ));
+        const double schur_71 = c - mul_70*sig_51 + sig_59;
+        const double schur_72 = -mul_70*sig_52 + sig_60;
+        const double mul_73 = ((x25) ? (
+       sig_66*x24
+    )
+    : (
+       0
+    ));
+        const double schur_74 = -mul_73*sig_51 + sig_67;
+        const double schur_75 = c - mul_73*sig_52 + sig_68;
+        const double x26 = (1.0/(schur_71));
+        const double mul_76 = ((fabs(schur_71) > 1.0261342003245941e-289) ? (
+       schur_74*x26
+    )
+    : (
+       0
+    ));
+        const double schur_77 = -mul_76*schur_72 + schur_75;
+        const double ldet_78 = log(fabs(piv_69*schur_71*schur_77));
+        const double fwd_79 = -mul_70*u_30 - x16;
+        const double fwd_80 = -fwd_79*mul_76 - mul_73*u_30 - x18;
+        const double bwd_81 = fwd_80/schur_77;
+        const double bwd_82 = x26*(-bwd_81*schur_72 + fwd_79);
+        const double bwd_83 = x24*(-bwd_81*sig_52 - bwd_82*sig_51 + u_30);
         out[0] = u_30;
         out[1] = u_31;
         out[2] = u_32;
-        out[3] = h_75;
-        out[4] = h_76;
-        out[5] = h_77;
-        out[6] = logdet_73;
+        out[3] = bwd_83;
+        out[4] = bwd_82;
+        out[5] = bwd_81;
+        out[6] = ldet_78;
         out[7] = res_33;
         out[8] = res_34;
         out[9] = res_35;
@@ -760,23 +817,43 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
-        const double x3 = Phi_31*Phi_32;
-        const double x4 = sig_21*sig_28;
-        const double x5 = Phi_31*sig_13;
-        const double x6 = Phi_32*sig_12;
-        const double det_33 = Phi_30*x3 - Phi_30*x4 + sig_12*sig_21*sig_27 + sig_13*sig_19*sig_28 - sig_19*x6 - sig_27*x5;
-        const double logdet_34 = log(fabs(det_33));
-        const double idet_35 = (1.0/(det_33));
-        const double h_36 = idet_35*(u_0_0*(x3 - x4) + u_1_0*(sig_13*sig_28 - x6) + u_2_0*(sig_12*sig_21 - x5));
-        const double h_37 = idet_35*(u_0_0*(-Phi_32*sig_19 + sig_21*sig_27) + u_1_0*(Phi_30*Phi_32 - sig_13*sig_27) + u_2_0*(-Phi_30*sig_21 + sig_13*sig_19));
-        const double h_38 = idet_35*(u_0_0*(-Phi_31*sig_27 + sig_19*sig_28) + u_1_0*(-Phi_30*sig_28 + sig_12*sig_27) + u_2_0*(Phi_30*Phi_31 - sig_12*sig_19));
-        out[0] = h_36;
-        out[1] = h_37;
-        out[2] = h_38;
-        out[3] = logdet_34;
+        const double piv_30 = c + sig_11;
+        const double x3 = (1.0/(piv_30));
+        const double x4 = fabs(piv_30) > 1.0261342003245941e-289;
+        const double mul_31 = ((x4) ? (
+       sig_19*x3
+    )
+    : (
+       0
+    ));
+        const double schur_32 = c - mul_31*sig_12 + sig_20;
+        const double schur_33 = -mul_31*sig_13 + sig_21;
+        const double mul_34 = ((x4) ? (
+       sig_27*x3
+    )
+    : (
+       0
+    ));
+        const double schur_35 = -mul_34*sig_12 + sig_28;
+        const double schur_36 = c - mul_34*sig_13 + sig_29;
+        const double x5 = (1.0/(schur_32));
+        const double mul_37 = ((fabs(schur_32) > 1.0261342003245941e-289) ? (
+       schur_35*x5
+    )
+    : (
+       0
+    ));
+        const double schur_38 = -mul_37*schur_33 + schur_36;
+        const double ldet_39 = log(fabs(piv_30*schur_32*schur_38));
+        const double fwd_40 = -mul_31*u_0_0 + u_1_0;
+        const double fwd_41 = -fwd_40*mul_37 - mul_34*u_0_0 + u_2_0;
+        const double bwd_42 = fwd_41/schur_38;
+        const double bwd_43 = x5*(-bwd_42*schur_33 + fwd_40);
+        const double bwd_44 = x3*(-bwd_42*sig_13 - bwd_43*sig_12 + u_0_0);
+        out[0] = bwd_44;
+        out[1] = bwd_43;
+        out[2] = bwd_42;
+        out[3] = ldet_39;
     }
     static void attention_tied_softmax_L2_T3_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -789,14 +866,14 @@ cdef extern from *:
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
-        const double p_39 = 2*z_0_0;
+        const double p_45 = 2*z_0_0;
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = z_0_0*z_0_2;
         const double M_3 = (z_0_1*z_0_1);
-        const double p_40 = 2*z_0_1;
+        const double p_46 = 2*z_0_1;
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double p_41 = 2*z_0_2;
+        const double p_47 = 2*z_0_2;
         const double m_6 = fmax(M_0, fmax(M_1, M_2));
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
@@ -807,30 +884,30 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double x2 = beta*(w_10*w_10);
         const double x3 = e_7*x2;
-        const double p_42 = x1*x3;
+        const double p_48 = x1*x3;
         const double x4 = -e_8*x3;
-        const double p_43 = x4;
+        const double p_49 = x4;
         const double x5 = -e_9*x3;
-        const double p_44 = x5;
-        const double d_45 = p_39*p_42 + p_43*z_0_1 + p_44*z_0_2;
-        const double d_46 = p_43*z_0_0;
-        const double d_47 = p_44*z_0_0;
-        const double sig_12 = e_8*w_10;
-        const double p_48 = x4;
-        const double x6 = e_8*x2;
-        const double p_49 = x6*(e_7 + e_9);
-        const double x7 = -e_9*x6;
-        const double p_50 = x7;
-        const double d_51 = p_39*p_48 + p_49*z_0_1 + p_50*z_0_2;
+        const double p_50 = x5;
+        const double d_51 = p_45*p_48 + p_49*z_0_1 + p_50*z_0_2;
         const double d_52 = p_49*z_0_0;
         const double d_53 = p_50*z_0_0;
-        const double sig_13 = e_9*w_10;
-        const double p_54 = x5;
-        const double p_55 = x7;
-        const double p_56 = e_9*x2*(e_7 + e_8);
-        const double d_57 = p_39*p_54 + p_55*z_0_1 + p_56*z_0_2;
+        const double sig_12 = e_8*w_10;
+        const double p_54 = x4;
+        const double x6 = e_8*x2;
+        const double p_55 = x6*(e_7 + e_9);
+        const double x7 = -e_9*x6;
+        const double p_56 = x7;
+        const double d_57 = p_45*p_54 + p_55*z_0_1 + p_56*z_0_2;
         const double d_58 = p_55*z_0_0;
         const double d_59 = p_56*z_0_0;
+        const double sig_13 = e_9*w_10;
+        const double p_60 = x5;
+        const double p_61 = x7;
+        const double p_62 = e_9*x2*(e_7 + e_8);
+        const double d_63 = p_45*p_60 + p_61*z_0_1 + p_62*z_0_2;
+        const double d_64 = p_61*z_0_0;
+        const double d_65 = p_62*z_0_0;
         const double m_14 = fmax(M_1, fmax(M_3, M_4));
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
@@ -841,30 +918,30 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double x10 = beta*(w_18*w_18);
         const double x11 = e_15*x10;
-        const double p_60 = x11*x9;
+        const double p_66 = x11*x9;
         const double x12 = -e_16*x11;
-        const double p_61 = x12;
+        const double p_67 = x12;
         const double x13 = -e_17*x11;
-        const double p_62 = x13;
-        const double d_63 = p_60*z_0_1;
-        const double d_64 = p_40*p_61 + p_60*z_0_0 + p_62*z_0_2;
-        const double d_65 = p_62*z_0_1;
-        const double sig_20 = e_16*w_18;
-        const double p_66 = x12;
-        const double x14 = e_16*x10;
-        const double p_67 = x14*(e_15 + e_17);
-        const double x15 = -e_17*x14;
-        const double p_68 = x15;
+        const double p_68 = x13;
         const double d_69 = p_66*z_0_1;
-        const double d_70 = p_40*p_67 + p_66*z_0_0 + p_68*z_0_2;
+        const double d_70 = p_46*p_67 + p_66*z_0_0 + p_68*z_0_2;
         const double d_71 = p_68*z_0_1;
-        const double sig_21 = e_17*w_18;
-        const double p_72 = x13;
-        const double p_73 = x15;
-        const double p_74 = e_17*x10*(e_15 + e_16);
+        const double sig_20 = e_16*w_18;
+        const double p_72 = x12;
+        const double x14 = e_16*x10;
+        const double p_73 = x14*(e_15 + e_17);
+        const double x15 = -e_17*x14;
+        const double p_74 = x15;
         const double d_75 = p_72*z_0_1;
-        const double d_76 = p_40*p_73 + p_72*z_0_0 + p_74*z_0_2;
+        const double d_76 = p_46*p_73 + p_72*z_0_0 + p_74*z_0_2;
         const double d_77 = p_74*z_0_1;
+        const double sig_21 = e_17*w_18;
+        const double p_78 = x13;
+        const double p_79 = x15;
+        const double p_80 = e_17*x10*(e_15 + e_16);
+        const double d_81 = p_78*z_0_1;
+        const double d_82 = p_46*p_79 + p_78*z_0_0 + p_80*z_0_2;
+        const double d_83 = p_80*z_0_1;
         const double m_22 = fmax(M_2, fmax(M_4, M_5));
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
@@ -875,131 +952,199 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double x18 = beta*(w_26*w_26);
         const double x19 = e_23*x18;
-        const double p_78 = x17*x19;
+        const double p_84 = x17*x19;
         const double x20 = -e_24*x19;
-        const double p_79 = x20;
+        const double p_85 = x20;
         const double x21 = -e_25*x19;
-        const double p_80 = x21;
-        const double d_81 = p_78*z_0_2;
-        const double d_82 = p_79*z_0_2;
-        const double d_83 = p_41*p_80 + p_78*z_0_0 + p_79*z_0_1;
-        const double sig_28 = e_24*w_26;
-        const double p_84 = x20;
-        const double x22 = e_24*x18;
-        const double p_85 = x22*(e_23 + e_25);
-        const double x23 = -e_25*x22;
-        const double p_86 = x23;
+        const double p_86 = x21;
         const double d_87 = p_84*z_0_2;
         const double d_88 = p_85*z_0_2;
-        const double d_89 = p_41*p_86 + p_84*z_0_0 + p_85*z_0_1;
-        const double sig_29 = e_25*w_26;
-        const double p_90 = x21;
-        const double p_91 = x23;
-        const double p_92 = e_25*x18*(e_23 + e_24);
+        const double d_89 = p_47*p_86 + p_84*z_0_0 + p_85*z_0_1;
+        const double sig_28 = e_24*w_26;
+        const double p_90 = x20;
+        const double x22 = e_24*x18;
+        const double p_91 = x22*(e_23 + e_25);
+        const double x23 = -e_25*x22;
+        const double p_92 = x23;
         const double d_93 = p_90*z_0_2;
         const double d_94 = p_91*z_0_2;
-        const double d_95 = p_41*p_92 + p_90*z_0_0 + p_91*z_0_1;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
-        const double x24 = Phi_31*Phi_32;
-        const double x25 = sig_21*sig_28;
-        const double x26 = sig_13*sig_27;
-        const double x27 = sig_12*sig_19;
-        const double det_33 = Phi_30*x24 - Phi_30*x25 - Phi_31*x26 - Phi_32*x27 + sig_12*sig_21*sig_27 + sig_13*sig_19*sig_28;
-        const double x28 = x24 - x25;
-        const double p_96 = x28;
-        const double x29 = Phi_30*Phi_32 - x26;
-        const double p_97 = x29;
-        const double x30 = Phi_30*Phi_31 - x27;
-        const double p_98 = x30;
-        const double x31 = -Phi_32*sig_19 + sig_21*sig_27;
-        const double p_99 = x31;
-        const double x32 = -Phi_31*sig_27 + sig_19*sig_28;
-        const double p_100 = x32;
-        const double x33 = -Phi_32*sig_12 + sig_13*sig_28;
-        const double p_101 = x33;
-        const double x34 = -Phi_30*sig_28 + sig_12*sig_27;
-        const double p_102 = x34;
-        const double x35 = -Phi_31*sig_13 + sig_12*sig_21;
-        const double p_103 = x35;
-        const double x36 = -Phi_30*sig_21 + sig_13*sig_19;
-        const double p_104 = x36;
-        const double d_105 = d_45*p_96 + d_51*p_99 + d_57*p_100 + d_63*p_101 + d_69*p_97 + d_75*p_102 + d_81*p_103 + d_87*p_104 + d_93*p_98;
-        const double d_106 = d_46*p_96 + d_52*p_99 + d_58*p_100 + d_64*p_101 + d_70*p_97 + d_76*p_102 + d_82*p_103 + d_88*p_104 + d_94*p_98;
-        const double d_107 = d_47*p_96 + d_53*p_99 + d_59*p_100 + d_65*p_101 + d_71*p_97 + d_77*p_102 + d_83*p_103 + d_89*p_104 + d_95*p_98;
-        const double x37 = fabs(det_33);
-        const double logdet_34 = log(x37);
-        const double p_108 = (((det_33) > 0) - ((det_33) < 0))/x37;
-        const double d_109 = d_105*p_108;
-        const double d_110 = d_106*p_108;
-        const double d_111 = d_107*p_108;
-        const double idet_35 = (1.0/(det_33));
-        const double p_112 = -(idet_35*idet_35);
-        const double d_113 = d_105*p_112;
-        const double d_114 = d_106*p_112;
-        const double d_115 = d_107*p_112;
-        const double x38 = u_0_0*x28 + u_1_0*x33 + u_2_0*x35;
-        const double h_36 = idet_35*x38;
-        const double x39 = Phi_32*u_0_0 - sig_13*u_2_0;
-        const double p_116 = idet_35*x39;
-        const double x40 = Phi_31*u_0_0 - sig_12*u_1_0;
-        const double p_117 = idet_35*x40;
-        const double p_118 = x38;
-        const double x41 = Phi_32*u_1_0 - sig_21*u_2_0;
-        const double p_119 = -idet_35*x41;
-        const double x42 = Phi_31*u_2_0 - sig_28*u_1_0;
-        const double p_120 = -idet_35*x42;
-        const double x43 = sig_12*u_2_0 - sig_28*u_0_0;
-        const double p_121 = idet_35*x43;
-        const double x44 = sig_13*u_1_0 - sig_21*u_0_0;
-        const double p_122 = idet_35*x44;
-        const double d_123 = d_113*p_118 + d_51*p_119 + d_57*p_120 + d_69*p_116 + d_75*p_121 + d_87*p_122 + d_93*p_117;
-        const double d_124 = d_114*p_118 + d_52*p_119 + d_58*p_120 + d_70*p_116 + d_76*p_121 + d_88*p_122 + d_94*p_117;
-        const double d_125 = d_115*p_118 + d_53*p_119 + d_59*p_120 + d_71*p_116 + d_77*p_121 + d_89*p_122 + d_95*p_117;
-        const double x45 = u_0_0*x31 + u_1_0*x29 + u_2_0*x36;
-        const double h_37 = idet_35*x45;
-        const double p_126 = idet_35*x41;
-        const double x46 = Phi_30*u_1_0 - sig_19*u_0_0;
-        const double p_127 = idet_35*x46;
-        const double p_128 = x45;
-        const double x47 = sig_19*u_2_0 - sig_27*u_1_0;
-        const double p_129 = idet_35*x47;
-        const double p_130 = -idet_35*x39;
-        const double x48 = Phi_30*u_2_0 - sig_27*u_0_0;
-        const double p_131 = -idet_35*x48;
-        const double p_132 = -idet_35*x44;
-        const double d_133 = d_113*p_128 + d_45*p_126 + d_57*p_129 + d_63*p_130 + d_75*p_131 + d_81*p_132 + d_93*p_127;
-        const double d_134 = d_114*p_128 + d_46*p_126 + d_58*p_129 + d_64*p_130 + d_76*p_131 + d_82*p_132 + d_94*p_127;
-        const double d_135 = d_115*p_128 + d_47*p_126 + d_59*p_129 + d_65*p_130 + d_77*p_131 + d_83*p_132 + d_95*p_127;
-        const double x49 = u_0_0*x32 + u_1_0*x34 + u_2_0*x30;
-        const double h_38 = idet_35*x49;
-        const double p_136 = idet_35*x42;
-        const double p_137 = idet_35*x48;
-        const double p_138 = x49;
-        const double p_139 = -idet_35*x47;
-        const double p_140 = -idet_35*x43;
-        const double p_141 = -idet_35*x40;
-        const double p_142 = -idet_35*x46;
-        const double d_143 = d_113*p_138 + d_45*p_136 + d_51*p_139 + d_63*p_140 + d_69*p_137 + d_81*p_141 + d_87*p_142;
-        const double d_144 = d_114*p_138 + d_46*p_136 + d_52*p_139 + d_64*p_140 + d_70*p_137 + d_82*p_141 + d_88*p_142;
-        const double d_145 = d_115*p_138 + d_47*p_136 + d_53*p_139 + d_65*p_140 + d_71*p_137 + d_83*p_141 + d_89*p_142;
-        out[0] = h_36;
-        out[1] = h_37;
-        out[2] = h_38;
-        out[3] = logdet_34;
-        out[4] = d_123;
-        out[5] = d_124;
-        out[6] = d_125;
-        out[7] = d_133;
-        out[8] = d_134;
-        out[9] = d_135;
-        out[10] = d_143;
-        out[11] = d_144;
-        out[12] = d_145;
-        out[13] = d_109;
-        out[14] = d_110;
-        out[15] = d_111;
+        const double d_95 = p_47*p_92 + p_90*z_0_0 + p_91*z_0_1;
+        const double sig_29 = e_25*w_26;
+        const double p_96 = x21;
+        const double p_97 = x23;
+        const double p_98 = e_25*x18*(e_23 + e_24);
+        const double d_99 = p_96*z_0_2;
+        const double d_100 = p_97*z_0_2;
+        const double d_101 = p_47*p_98 + p_96*z_0_0 + p_97*z_0_1;
+        const double piv_30 = c + sig_11;
+        const double x24 = (1.0/(piv_30));
+        const double x25 = fabs(piv_30) > 1.0261342003245941e-289;
+        const double mul_31 = ((x25) ? (
+       sig_19*x24
+    )
+    : (
+       0
+    ));
+        const double x26 = (1.0/(piv_30*piv_30));
+        const double p_102 = ((x25) ? (
+       -sig_19*x26
+    )
+    : (
+       0
+    ));
+        const double x27 = ((x25) ? (
+       x24
+    )
+    : (
+       0
+    ));
+        const double p_103 = x27;
+        const double d_104 = d_51*p_102 + d_69*p_103;
+        const double d_105 = d_52*p_102 + d_70*p_103;
+        const double d_106 = d_53*p_102 + d_71*p_103;
+        const double schur_32 = c - mul_31*sig_12 + sig_20;
+        const double x28 = -sig_12;
+        const double p_107 = x28;
+        const double x29 = -mul_31;
+        const double p_108 = x29;
+        const double d_109 = d_104*p_107 + d_57*p_108 + d_75;
+        const double d_110 = d_105*p_107 + d_58*p_108 + d_76;
+        const double d_111 = d_106*p_107 + d_59*p_108 + d_77;
+        const double schur_33 = -mul_31*sig_13 + sig_21;
+        const double x30 = -sig_13;
+        const double p_112 = x30;
+        const double p_113 = x29;
+        const double d_114 = d_104*p_112 + d_63*p_113 + d_81;
+        const double d_115 = d_105*p_112 + d_64*p_113 + d_82;
+        const double d_116 = d_106*p_112 + d_65*p_113 + d_83;
+        const double mul_34 = ((x25) ? (
+       sig_27*x24
+    )
+    : (
+       0
+    ));
+        const double p_117 = ((x25) ? (
+       -sig_27*x26
+    )
+    : (
+       0
+    ));
+        const double p_118 = x27;
+        const double d_119 = d_51*p_117 + d_87*p_118;
+        const double d_120 = d_52*p_117 + d_88*p_118;
+        const double d_121 = d_53*p_117 + d_89*p_118;
+        const double schur_35 = -mul_34*sig_12 + sig_28;
+        const double p_122 = x28;
+        const double x31 = -mul_34;
+        const double p_123 = x31;
+        const double d_124 = d_119*p_122 + d_57*p_123 + d_93;
+        const double d_125 = d_120*p_122 + d_58*p_123 + d_94;
+        const double d_126 = d_121*p_122 + d_59*p_123 + d_95;
+        const double schur_36 = c - mul_34*sig_13 + sig_29;
+        const double p_127 = x30;
+        const double p_128 = x31;
+        const double d_129 = d_119*p_127 + d_63*p_128 + d_99;
+        const double d_130 = d_100 + d_120*p_127 + d_64*p_128;
+        const double d_131 = d_101 + d_121*p_127 + d_65*p_128;
+        const double x32 = (1.0/(schur_32));
+        const double x33 = fabs(schur_32) > 1.0261342003245941e-289;
+        const double mul_37 = ((x33) ? (
+       schur_35*x32
+    )
+    : (
+       0
+    ));
+        const double x34 = (1.0/(schur_32*schur_32));
+        const double p_132 = ((x33) ? (
+       -schur_35*x34
+    )
+    : (
+       0
+    ));
+        const double p_133 = ((x33) ? (
+       x32
+    )
+    : (
+       0
+    ));
+        const double d_134 = d_109*p_132 + d_124*p_133;
+        const double d_135 = d_110*p_132 + d_125*p_133;
+        const double d_136 = d_111*p_132 + d_126*p_133;
+        const double schur_38 = -mul_37*schur_33 + schur_36;
+        const double p_137 = -schur_33;
+        const double x35 = -mul_37;
+        const double p_138 = x35;
+        const double d_139 = d_114*p_138 + d_129 + d_134*p_137;
+        const double d_140 = d_115*p_138 + d_130 + d_135*p_137;
+        const double d_141 = d_116*p_138 + d_131 + d_136*p_137;
+        const double x36 = schur_32*schur_38;
+        const double x37 = piv_30*x36;
+        const double x38 = fabs(x37);
+        const double ldet_39 = log(x38);
+        const double x39 = (((x37) > 0) - ((x37) < 0))/x38;
+        const double p_142 = x36*x39;
+        const double x40 = piv_30*x39;
+        const double p_143 = schur_38*x40;
+        const double p_144 = schur_32*x40;
+        const double d_145 = d_109*p_143 + d_139*p_144 + d_51*p_142;
+        const double d_146 = d_110*p_143 + d_140*p_144 + d_52*p_142;
+        const double d_147 = d_111*p_143 + d_141*p_144 + d_53*p_142;
+        const double fwd_40 = -mul_31*u_0_0 + u_1_0;
+        const double x41 = -u_0_0;
+        const double p_148 = x41;
+        const double d_149 = d_104*p_148;
+        const double d_150 = d_105*p_148;
+        const double d_151 = d_106*p_148;
+        const double fwd_41 = -fwd_40*mul_37 - mul_34*u_0_0 + u_2_0;
+        const double p_152 = x35;
+        const double p_153 = x41;
+        const double x42 = -fwd_40;
+        const double p_154 = x42;
+        const double d_155 = d_119*p_153 + d_134*p_154 + d_149*p_152;
+        const double d_156 = d_120*p_153 + d_135*p_154 + d_150*p_152;
+        const double d_157 = d_121*p_153 + d_136*p_154 + d_151*p_152;
+        const double x43 = (1.0/(schur_38));
+        const double bwd_42 = fwd_41*x43;
+        const double p_158 = x43;
+        const double p_159 = -bwd_42*x43;
+        const double d_160 = d_139*p_159 + d_155*p_158;
+        const double d_161 = d_140*p_159 + d_156*p_158;
+        const double d_162 = d_141*p_159 + d_157*p_158;
+        const double x44 = bwd_42*schur_33 + x42;
+        const double bwd_43 = -x32*x44;
+        const double p_163 = -schur_33*x32;
+        const double p_164 = x32;
+        const double p_165 = x34*x44;
+        const double p_166 = -bwd_42*x32;
+        const double d_167 = d_109*p_165 + d_114*p_166 + d_149*p_164 + d_160*p_163;
+        const double d_168 = d_110*p_165 + d_115*p_166 + d_150*p_164 + d_161*p_163;
+        const double d_169 = d_111*p_165 + d_116*p_166 + d_151*p_164 + d_162*p_163;
+        const double x45 = bwd_42*sig_13 + bwd_43*sig_12 + x41;
+        const double bwd_44 = -x24*x45;
+        const double p_170 = -sig_13*x24;
+        const double p_171 = -sig_12*x24;
+        const double p_172 = x26*x45;
+        const double p_173 = -bwd_43*x24;
+        const double p_174 = -bwd_42*x24;
+        const double d_175 = d_160*p_170 + d_167*p_171 + d_51*p_172 + d_57*p_173 + d_63*p_174;
+        const double d_176 = d_161*p_170 + d_168*p_171 + d_52*p_172 + d_58*p_173 + d_64*p_174;
+        const double d_177 = d_162*p_170 + d_169*p_171 + d_53*p_172 + d_59*p_173 + d_65*p_174;
+        out[0] = bwd_44;
+        out[1] = bwd_43;
+        out[2] = bwd_42;
+        out[3] = ldet_39;
+        out[4] = d_175;
+        out[5] = d_176;
+        out[6] = d_177;
+        out[7] = d_167;
+        out[8] = d_168;
+        out[9] = d_169;
+        out[10] = d_160;
+        out[11] = d_161;
+        out[12] = d_162;
+        out[13] = d_145;
+        out[14] = d_146;
+        out[15] = d_147;
     }
     static void attention_tied_softmax_L2_T4_r1_reparam(const double *in, const double *par, double *out)
     {
@@ -1192,26 +1337,27 @@ cdef extern from *:
     : (
        us_60
     ))))));
-        const double x31 = u_64 - u_65;
-        const double res_68 = beta*(-ell_16 - u_64*x31);
-        const double x32 = -u_66;
-        const double x33 = u_64 + x32;
-        const double res_69 = beta*(-ell_17 - u_64*x33);
-        const double x34 = -u_67;
-        const double x35 = u_64 + x34;
-        const double res_70 = beta*(-ell_18 - u_64*x35);
-        const double res_71 = beta*(-ell_19 + u_65*x31);
-        const double x36 = u_65 + x32;
-        const double res_72 = beta*(-ell_20 - u_65*x36);
-        const double x37 = u_65 + x34;
-        const double res_73 = beta*(-ell_21 - u_65*x37);
-        const double res_74 = beta*(-ell_22 + u_66*x33);
-        const double res_75 = beta*(-ell_23 + u_66*x36);
-        const double x38 = u_66 + x34;
-        const double res_76 = beta*(-ell_24 - u_66*x38);
-        const double res_77 = beta*(-ell_25 + u_67*x35);
-        const double res_78 = beta*(-ell_26 + u_67*x37);
-        const double res_79 = beta*(-ell_27 + u_67*x38);
+        const double x31 = -u_65;
+        const double x32 = u_64 + x31;
+        const double res_68 = beta*(-ell_16 - u_64*x32);
+        const double x33 = -u_66;
+        const double x34 = u_64 + x33;
+        const double res_69 = beta*(-ell_17 - u_64*x34);
+        const double x35 = -u_67;
+        const double x36 = u_64 + x35;
+        const double res_70 = beta*(-ell_18 - u_64*x36);
+        const double res_71 = beta*(-ell_19 + u_65*x32);
+        const double x37 = u_65 + x33;
+        const double res_72 = beta*(-ell_20 - u_65*x37);
+        const double x38 = u_65 + x35;
+        const double res_73 = beta*(-ell_21 - u_65*x38);
+        const double res_74 = beta*(-ell_22 + u_66*x34);
+        const double res_75 = beta*(-ell_23 + u_66*x37);
+        const double x39 = u_66 + x35;
+        const double res_76 = beta*(-ell_24 - u_66*x39);
+        const double res_77 = beta*(-ell_25 + u_67*x36);
+        const double res_78 = beta*(-ell_26 + u_67*x38);
+        const double res_79 = beta*(-ell_27 + u_67*x39);
         const double M_80 = (z_0_0*z_0_0);
         const double M_81 = z_0_0*z_0_1;
         const double M_82 = z_0_0*z_0_2;
@@ -1223,95 +1369,122 @@ cdef extern from *:
         const double M_88 = z_0_2*z_0_3;
         const double M_89 = (z_0_3*z_0_3);
         const double m_90 = fmax(M_80, fmax(M_81, fmax(M_82, M_83)));
-        const double x39 = -m_90;
-        const double e_91 = exp(beta*(M_80 + x39));
-        const double e_92 = exp(beta*(M_81 + x39));
-        const double e_93 = exp(beta*(M_82 + x39));
-        const double e_94 = exp(beta*(M_83 + x39));
+        const double x40 = -m_90;
+        const double e_91 = exp(beta*(M_80 + x40));
+        const double e_92 = exp(beta*(M_81 + x40));
+        const double e_93 = exp(beta*(M_82 + x40));
+        const double e_94 = exp(beta*(M_83 + x40));
         const double w_95 = (1.0/(e_91 + e_92 + e_93 + e_94));
         const double sig_96 = e_91*w_95;
         const double sig_97 = e_92*w_95;
         const double sig_98 = e_93*w_95;
         const double sig_99 = e_94*w_95;
         const double m_100 = fmax(M_81, fmax(M_84, fmax(M_85, M_86)));
-        const double x40 = -m_100;
-        const double e_101 = exp(beta*(M_81 + x40));
-        const double e_102 = exp(beta*(M_84 + x40));
-        const double e_103 = exp(beta*(M_85 + x40));
-        const double e_104 = exp(beta*(M_86 + x40));
+        const double x41 = -m_100;
+        const double e_101 = exp(beta*(M_81 + x41));
+        const double e_102 = exp(beta*(M_84 + x41));
+        const double e_103 = exp(beta*(M_85 + x41));
+        const double e_104 = exp(beta*(M_86 + x41));
         const double w_105 = (1.0/(e_101 + e_102 + e_103 + e_104));
         const double sig_106 = e_101*w_105;
         const double sig_107 = e_102*w_105;
         const double sig_108 = e_103*w_105;
         const double sig_109 = e_104*w_105;
         const double m_110 = fmax(M_82, fmax(M_85, fmax(M_87, M_88)));
-        const double x41 = -m_110;
-        const double e_111 = exp(beta*(M_82 + x41));
-        const double e_112 = exp(beta*(M_85 + x41));
-        const double e_113 = exp(beta*(M_87 + x41));
-        const double e_114 = exp(beta*(M_88 + x41));
+        const double x42 = -m_110;
+        const double e_111 = exp(beta*(M_82 + x42));
+        const double e_112 = exp(beta*(M_85 + x42));
+        const double e_113 = exp(beta*(M_87 + x42));
+        const double e_114 = exp(beta*(M_88 + x42));
         const double w_115 = (1.0/(e_111 + e_112 + e_113 + e_114));
         const double sig_116 = e_111*w_115;
         const double sig_117 = e_112*w_115;
         const double sig_118 = e_113*w_115;
         const double sig_119 = e_114*w_115;
         const double m_120 = fmax(M_83, fmax(M_86, fmax(M_88, M_89)));
-        const double x42 = -m_120;
-        const double e_121 = exp(beta*(M_83 + x42));
-        const double e_122 = exp(beta*(M_86 + x42));
-        const double e_123 = exp(beta*(M_88 + x42));
-        const double e_124 = exp(beta*(M_89 + x42));
+        const double x43 = -m_120;
+        const double e_121 = exp(beta*(M_83 + x43));
+        const double e_122 = exp(beta*(M_86 + x43));
+        const double e_123 = exp(beta*(M_88 + x43));
+        const double e_124 = exp(beta*(M_89 + x43));
         const double w_125 = (1.0/(e_121 + e_122 + e_123 + e_124));
         const double sig_126 = e_121*w_125;
         const double sig_127 = e_122*w_125;
         const double sig_128 = e_123*w_125;
         const double sig_129 = e_124*w_125;
-        const double Phi_130 = c + sig_96;
-        const double Phi_131 = c + sig_107;
-        const double Phi_132 = c + sig_118;
-        const double Phi_133 = c + sig_129;
-        const double x43 = sig_108*sig_116;
-        const double x44 = sig_109*sig_126;
-        const double x45 = Phi_131*sig_106 + x43 + x44;
-        const double x46 = sig_106*sig_117;
-        const double x47 = sig_119*sig_126;
-        const double x48 = Phi_132*sig_116 + x46 + x47;
-        const double x49 = sig_106*sig_127;
-        const double x50 = sig_116*sig_128;
-        const double x51 = Phi_133*sig_126 + x49 + x50;
-        const double x52 = sig_106*sig_97;
-        const double x53 = sig_116*sig_98;
-        const double x54 = sig_126*sig_99;
-        const double x55 = Phi_132 + Phi_133;
-        const double x56 = -x55;
-        const double x57 = sig_119*sig_128;
-        const double x58 = sig_108*sig_117;
-        const double x59 = sig_109*sig_127;
-        const double x60 = x58 + x59;
-        const double x61 = sig_119*sig_127;
-        const double x62 = sig_117*sig_128;
-        const double x63 = Phi_132*Phi_133;
-        const double det_134 = -Phi_130*(-Phi_131*(-x57 + x63) - sig_108*(Phi_132*sig_117 + x61) - sig_109*(Phi_133*sig_127 + x62) - x56*x60) - sig_97*(Phi_131*x45 + sig_108*x48 + sig_109*x51) - sig_98*(Phi_132*x48 + sig_117*x45 + sig_119*x51) - sig_99*(Phi_133*x51 + sig_127*x45 + sig_128*x48) + (-Phi_131 - x55)*(-sig_97*x45 - sig_98*x48 - sig_99*x51) + (-x52 - x53 - x54)*(-Phi_131*x56 + Phi_132*Phi_133 - x57 - x60);
-        const double logdet_135 = log(fabs(det_134));
-        const double idet_136 = (1.0/(det_134));
-        const double x64 = sig_127*sig_99;
-        const double x65 = sig_109*sig_97;
-        const double x66 = sig_108*sig_97;
-        const double h_137 = idet_136*(u_64*(-Phi_131*x57 + Phi_131*x63 - Phi_132*x59 - Phi_133*x58 + sig_108*x61 + sig_109*x62) + u_65*(Phi_132*sig_127*sig_99 + Phi_133*sig_117*sig_98 + sig_119*sig_128*sig_97 - sig_97*x63 - sig_98*x61 - sig_99*x62) + u_66*(-Phi_131*Phi_133*sig_98 + Phi_131*sig_128*sig_99 + Phi_133*sig_108*sig_97 - sig_108*x64 + sig_109*sig_127*sig_98 - sig_128*x65) + u_67*(-Phi_131*Phi_132*sig_99 + Phi_131*sig_119*sig_98 + Phi_132*sig_109*sig_97 + sig_108*sig_117*sig_99 - sig_109*sig_117*sig_98 - sig_119*x66));
-        const double h_138 = idet_136*(u_64*(Phi_132*sig_109*sig_126 + Phi_133*sig_108*sig_116 + sig_106*sig_119*sig_128 - sig_106*x63 - sig_108*x47 - sig_109*x50) + u_65*(-Phi_130*x57 + Phi_130*x63 - Phi_132*x54 - Phi_133*x53 + sig_98*x47 + sig_99*x50) + u_66*(-Phi_130*Phi_133*sig_108 + Phi_130*sig_109*sig_128 + Phi_133*sig_106*sig_98 - sig_106*sig_128*sig_99 + sig_108*sig_126*sig_99 - sig_98*x44) + u_67*(-Phi_130*Phi_132*sig_109 + Phi_130*sig_108*sig_119 + Phi_132*sig_106*sig_99 - sig_106*sig_119*sig_98 + sig_109*sig_116*sig_98 - sig_99*x43));
-        const double x67 = Phi_130*Phi_133;
-        const double x68 = Phi_130*Phi_131;
-        const double h_139 = idet_136*(u_64*(-Phi_131*Phi_133*sig_116 + Phi_131*sig_119*sig_126 + Phi_133*sig_106*sig_117 + sig_109*sig_116*sig_127 - sig_117*x44 - sig_119*x49) + u_65*(Phi_130*sig_119*sig_127 + Phi_133*sig_116*sig_97 - sig_116*x64 + sig_117*sig_126*sig_99 - sig_117*x67 - sig_97*x47) + u_66*(-Phi_130*x59 - Phi_131*x54 + Phi_131*x67 - Phi_133*x52 + sig_97*x44 + sig_99*x49) + u_67*(Phi_130*sig_109*sig_117 + Phi_131*sig_116*sig_99 + sig_106*sig_119*sig_97 - sig_116*x65 - sig_119*x68 - sig_99*x46));
-        const double h_140 = idet_136*(u_64*(-Phi_131*Phi_132*sig_126 + Phi_131*sig_116*sig_128 + Phi_132*sig_106*sig_127 + sig_108*sig_117*sig_126 - sig_127*x43 - sig_128*x46) + u_65*(-Phi_130*Phi_132*sig_127 + Phi_130*sig_117*sig_128 + Phi_132*sig_126*sig_97 + sig_116*sig_127*sig_98 - sig_117*sig_126*sig_98 - sig_97*x50) + u_66*(Phi_130*sig_108*sig_127 + Phi_131*sig_126*sig_98 + sig_106*sig_128*sig_97 - sig_126*x66 - sig_128*x68 - sig_98*x49) + u_67*(-Phi_130*x58 - Phi_131*x53 - Phi_132*x52 + Phi_132*x68 + sig_97*x43 + sig_98*x46));
+        const double piv_130 = c + sig_96;
+        const double x44 = (1.0/(piv_130));
+        const double x45 = fabs(piv_130) > 1.0261342003245941e-289;
+        const double mul_131 = ((x45) ? (
+       sig_106*x44
+    )
+    : (
+       0
+    ));
+        const double schur_132 = c - mul_131*sig_97 + sig_107;
+        const double schur_133 = -mul_131*sig_98 + sig_108;
+        const double schur_134 = -mul_131*sig_99 + sig_109;
+        const double mul_135 = ((x45) ? (
+       sig_116*x44
+    )
+    : (
+       0
+    ));
+        const double schur_136 = -mul_135*sig_97 + sig_117;
+        const double schur_137 = c - mul_135*sig_98 + sig_118;
+        const double schur_138 = -mul_135*sig_99 + sig_119;
+        const double mul_139 = ((x45) ? (
+       sig_126*x44
+    )
+    : (
+       0
+    ));
+        const double schur_140 = -mul_139*sig_97 + sig_127;
+        const double schur_141 = -mul_139*sig_98 + sig_128;
+        const double schur_142 = c - mul_139*sig_99 + sig_129;
+        const double x46 = (1.0/(schur_132));
+        const double x47 = fabs(schur_132) > 1.0261342003245941e-289;
+        const double mul_143 = ((x47) ? (
+       schur_136*x46
+    )
+    : (
+       0
+    ));
+        const double schur_144 = -mul_143*schur_133 + schur_137;
+        const double schur_145 = -mul_143*schur_134 + schur_138;
+        const double mul_146 = ((x47) ? (
+       schur_140*x46
+    )
+    : (
+       0
+    ));
+        const double schur_147 = -mul_146*schur_133 + schur_141;
+        const double schur_148 = -mul_146*schur_134 + schur_142;
+        const double x48 = (1.0/(schur_144));
+        const double mul_149 = ((fabs(schur_144) > 1.0261342003245941e-289) ? (
+       schur_147*x48
+    )
+    : (
+       0
+    ));
+        const double schur_150 = -mul_149*schur_145 + schur_148;
+        const double ldet_151 = log(fabs(piv_130*schur_132*schur_144*schur_150));
+        const double fwd_152 = -mul_131*u_64 - x31;
+        const double fwd_153 = -fwd_152*mul_143 - mul_135*u_64 - x33;
+        const double fwd_154 = -fwd_152*mul_146 - fwd_153*mul_149 - mul_139*u_64 - x35;
+        const double bwd_155 = fwd_154/schur_150;
+        const double bwd_156 = x48*(-bwd_155*schur_145 + fwd_153);
+        const double bwd_157 = x46*(-bwd_155*schur_134 - bwd_156*schur_133 + fwd_152);
+        const double bwd_158 = x44*(-bwd_155*sig_99 - bwd_156*sig_98 - bwd_157*sig_97 + u_64);
         out[0] = u_64;
         out[1] = u_65;
         out[2] = u_66;
         out[3] = u_67;
-        out[4] = h_137;
-        out[5] = h_138;
-        out[6] = h_139;
-        out[7] = h_140;
-        out[8] = logdet_135;
+        out[4] = bwd_158;
+        out[5] = bwd_157;
+        out[6] = bwd_156;
+        out[7] = bwd_155;
+        out[8] = ldet_151;
         out[9] = res_68;
         out[10] = res_69;
         out[11] = res_70;
@@ -1391,48 +1564,75 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
-        const double x4 = sig_28*sig_36;
-        const double x5 = sig_29*sig_46;
-        const double x6 = Phi_51*sig_26 + x4 + x5;
-        const double x7 = sig_26*sig_37;
-        const double x8 = sig_39*sig_46;
-        const double x9 = Phi_52*sig_36 + x7 + x8;
-        const double x10 = sig_26*sig_47;
-        const double x11 = sig_36*sig_48;
-        const double x12 = Phi_53*sig_46 + x10 + x11;
-        const double x13 = sig_17*sig_26;
-        const double x14 = sig_18*sig_36;
-        const double x15 = sig_19*sig_46;
-        const double x16 = Phi_52 + Phi_53;
-        const double x17 = -x16;
-        const double x18 = sig_39*sig_48;
-        const double x19 = sig_28*sig_37;
-        const double x20 = sig_29*sig_47;
-        const double x21 = x19 + x20;
-        const double x22 = sig_39*sig_47;
-        const double x23 = sig_37*sig_48;
-        const double x24 = Phi_52*Phi_53;
-        const double det_54 = -Phi_50*(-Phi_51*(-x18 + x24) - sig_28*(Phi_52*sig_37 + x22) - sig_29*(Phi_53*sig_47 + x23) - x17*x21) - sig_17*(Phi_51*x6 + sig_28*x9 + sig_29*x12) - sig_18*(Phi_52*x9 + sig_37*x6 + sig_39*x12) - sig_19*(Phi_53*x12 + sig_47*x6 + sig_48*x9) + (-Phi_51 - x16)*(-sig_17*x6 - sig_18*x9 - sig_19*x12) + (-x13 - x14 - x15)*(-Phi_51*x17 + Phi_52*Phi_53 - x18 - x21);
-        const double logdet_55 = log(fabs(det_54));
-        const double idet_56 = (1.0/(det_54));
-        const double x25 = sig_17*sig_29;
-        const double x26 = sig_19*sig_47;
-        const double x27 = sig_17*sig_28;
-        const double h_57 = idet_56*(u_0_0*(-Phi_51*x18 + Phi_51*x24 - Phi_52*x20 - Phi_53*x19 + sig_28*x22 + sig_29*x23) + u_1_0*(Phi_52*sig_19*sig_47 + Phi_53*sig_18*sig_37 + sig_17*sig_39*sig_48 - sig_17*x24 - sig_18*x22 - sig_19*x23) + u_2_0*(-Phi_51*Phi_53*sig_18 + Phi_51*sig_19*sig_48 + Phi_53*sig_17*sig_28 + sig_18*sig_29*sig_47 - sig_28*x26 - sig_48*x25) + u_3_0*(-Phi_51*Phi_52*sig_19 + Phi_51*sig_18*sig_39 + Phi_52*sig_17*sig_29 - sig_18*sig_29*sig_37 + sig_19*sig_28*sig_37 - sig_39*x27));
-        const double h_58 = idet_56*(u_0_0*(Phi_52*sig_29*sig_46 + Phi_53*sig_28*sig_36 + sig_26*sig_39*sig_48 - sig_26*x24 - sig_28*x8 - sig_29*x11) + u_1_0*(-Phi_50*x18 + Phi_50*x24 - Phi_52*x15 - Phi_53*x14 + sig_18*x8 + sig_19*x11) + u_2_0*(-Phi_50*Phi_53*sig_28 + Phi_50*sig_29*sig_48 + Phi_53*sig_18*sig_26 - sig_18*x5 - sig_19*sig_26*sig_48 + sig_19*sig_28*sig_46) + u_3_0*(-Phi_50*Phi_52*sig_29 + Phi_50*sig_28*sig_39 + Phi_52*sig_19*sig_26 - sig_18*sig_26*sig_39 + sig_18*sig_29*sig_36 - sig_19*x4));
-        const double x28 = Phi_50*Phi_53;
-        const double x29 = Phi_50*Phi_51;
-        const double h_59 = idet_56*(u_0_0*(-Phi_51*Phi_53*sig_36 + Phi_51*sig_39*sig_46 + Phi_53*sig_26*sig_37 + sig_29*sig_36*sig_47 - sig_37*x5 - sig_39*x10) + u_1_0*(Phi_50*sig_39*sig_47 + Phi_53*sig_17*sig_36 - sig_17*x8 + sig_19*sig_37*sig_46 - sig_36*x26 - sig_37*x28) + u_2_0*(-Phi_50*x20 - Phi_51*x15 + Phi_51*x28 - Phi_53*x13 + sig_17*x5 + sig_19*x10) + u_3_0*(Phi_50*sig_29*sig_37 + Phi_51*sig_19*sig_36 + sig_17*sig_26*sig_39 - sig_19*x7 - sig_36*x25 - sig_39*x29));
-        const double h_60 = idet_56*(u_0_0*(-Phi_51*Phi_52*sig_46 + Phi_51*sig_36*sig_48 + Phi_52*sig_26*sig_47 + sig_28*sig_37*sig_46 - sig_47*x4 - sig_48*x7) + u_1_0*(-Phi_50*Phi_52*sig_47 + Phi_50*sig_37*sig_48 + Phi_52*sig_17*sig_46 - sig_17*x11 + sig_18*sig_36*sig_47 - sig_18*sig_37*sig_46) + u_2_0*(Phi_50*sig_28*sig_47 + Phi_51*sig_18*sig_46 + sig_17*sig_26*sig_48 - sig_18*x10 - sig_46*x27 - sig_48*x29) + u_3_0*(-Phi_50*x19 - Phi_51*x14 - Phi_52*x13 + Phi_52*x29 + sig_17*x4 + sig_18*x7));
-        out[0] = h_57;
-        out[1] = h_58;
-        out[2] = h_59;
-        out[3] = h_60;
-        out[4] = logdet_55;
+        const double piv_50 = c + sig_16;
+        const double x4 = (1.0/(piv_50));
+        const double x5 = fabs(piv_50) > 1.0261342003245941e-289;
+        const double mul_51 = ((x5) ? (
+       sig_26*x4
+    )
+    : (
+       0
+    ));
+        const double schur_52 = c - mul_51*sig_17 + sig_27;
+        const double schur_53 = -mul_51*sig_18 + sig_28;
+        const double schur_54 = -mul_51*sig_19 + sig_29;
+        const double mul_55 = ((x5) ? (
+       sig_36*x4
+    )
+    : (
+       0
+    ));
+        const double schur_56 = -mul_55*sig_17 + sig_37;
+        const double schur_57 = c - mul_55*sig_18 + sig_38;
+        const double schur_58 = -mul_55*sig_19 + sig_39;
+        const double mul_59 = ((x5) ? (
+       sig_46*x4
+    )
+    : (
+       0
+    ));
+        const double schur_60 = -mul_59*sig_17 + sig_47;
+        const double schur_61 = -mul_59*sig_18 + sig_48;
+        const double schur_62 = c - mul_59*sig_19 + sig_49;
+        const double x6 = (1.0/(schur_52));
+        const double x7 = fabs(schur_52) > 1.0261342003245941e-289;
+        const double mul_63 = ((x7) ? (
+       schur_56*x6
+    )
+    : (
+       0
+    ));
+        const double schur_64 = -mul_63*schur_53 + schur_57;
+        const double schur_65 = -mul_63*schur_54 + schur_58;
+        const double mul_66 = ((x7) ? (
+       schur_60*x6
+    )
+    : (
+       0
+    ));
+        const double schur_67 = -mul_66*schur_53 + schur_61;
+        const double schur_68 = -mul_66*schur_54 + schur_62;
+        const double x8 = (1.0/(schur_64));
+        const double mul_69 = ((fabs(schur_64) > 1.0261342003245941e-289) ? (
+       schur_67*x8
+    )
+    : (
+       0
+    ));
+        const double schur_70 = -mul_69*schur_65 + schur_68;
+        const double ldet_71 = log(fabs(piv_50*schur_52*schur_64*schur_70));
+        const double fwd_72 = -mul_51*u_0_0 + u_1_0;
+        const double fwd_73 = -fwd_72*mul_63 - mul_55*u_0_0 + u_2_0;
+        const double fwd_74 = -fwd_72*mul_66 - fwd_73*mul_69 - mul_59*u_0_0 + u_3_0;
+        const double bwd_75 = fwd_74/schur_70;
+        const double bwd_76 = x8*(-bwd_75*schur_65 + fwd_73);
+        const double bwd_77 = x6*(-bwd_75*schur_54 - bwd_76*schur_53 + fwd_72);
+        const double bwd_78 = x4*(-bwd_75*sig_19 - bwd_76*sig_18 - bwd_77*sig_17 + u_0_0);
+        out[0] = bwd_78;
+        out[1] = bwd_77;
+        out[2] = bwd_76;
+        out[3] = bwd_75;
+        out[4] = ldet_71;
     }
     static void attention_tied_softmax_L2_T4_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -1447,19 +1647,19 @@ cdef extern from *:
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
-        const double p_61 = 2*z_0_0;
+        const double p_79 = 2*z_0_0;
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = z_0_0*z_0_2;
         const double M_3 = z_0_0*z_0_3;
         const double M_4 = (z_0_1*z_0_1);
-        const double p_62 = 2*z_0_1;
+        const double p_80 = 2*z_0_1;
         const double M_5 = z_0_1*z_0_2;
         const double M_6 = z_0_1*z_0_3;
         const double M_7 = (z_0_2*z_0_2);
-        const double p_63 = 2*z_0_2;
+        const double p_81 = 2*z_0_2;
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double p_64 = 2*z_0_3;
+        const double p_82 = 2*z_0_3;
         const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
@@ -1472,50 +1672,50 @@ cdef extern from *:
         const double sig_16 = e_11*w_15;
         const double x3 = beta*(w_15*w_15);
         const double x4 = e_11*x3;
-        const double p_65 = x2*x4;
+        const double p_83 = x2*x4;
         const double x5 = -e_12*x4;
-        const double p_66 = x5;
+        const double p_84 = x5;
         const double x6 = -e_13*x4;
-        const double p_67 = x6;
+        const double p_85 = x6;
         const double x7 = -e_14*x4;
-        const double p_68 = x7;
-        const double d_69 = p_61*p_65 + p_66*z_0_1 + p_67*z_0_2 + p_68*z_0_3;
-        const double d_70 = p_66*z_0_0;
-        const double d_71 = p_67*z_0_0;
-        const double d_72 = p_68*z_0_0;
+        const double p_86 = x7;
+        const double d_87 = p_79*p_83 + p_84*z_0_1 + p_85*z_0_2 + p_86*z_0_3;
+        const double d_88 = p_84*z_0_0;
+        const double d_89 = p_85*z_0_0;
+        const double d_90 = p_86*z_0_0;
         const double sig_17 = e_12*w_15;
-        const double p_73 = x5;
+        const double p_91 = x5;
         const double x8 = e_12*x3;
-        const double p_74 = x8*(e_11 + x1);
+        const double p_92 = x8*(e_11 + x1);
         const double x9 = -e_13*x8;
-        const double p_75 = x9;
+        const double p_93 = x9;
         const double x10 = -e_14*x8;
-        const double p_76 = x10;
-        const double d_77 = p_61*p_73 + p_74*z_0_1 + p_75*z_0_2 + p_76*z_0_3;
-        const double d_78 = p_74*z_0_0;
-        const double d_79 = p_75*z_0_0;
-        const double d_80 = p_76*z_0_0;
+        const double p_94 = x10;
+        const double d_95 = p_79*p_91 + p_92*z_0_1 + p_93*z_0_2 + p_94*z_0_3;
+        const double d_96 = p_92*z_0_0;
+        const double d_97 = p_93*z_0_0;
+        const double d_98 = p_94*z_0_0;
         const double sig_18 = e_13*w_15;
-        const double p_81 = x6;
-        const double p_82 = x9;
+        const double p_99 = x6;
+        const double p_100 = x9;
         const double x11 = e_11 + e_12;
         const double x12 = e_13*x3;
-        const double p_83 = x12*(e_14 + x11);
+        const double p_101 = x12*(e_14 + x11);
         const double x13 = -e_14*x12;
-        const double p_84 = x13;
-        const double d_85 = p_61*p_81 + p_82*z_0_1 + p_83*z_0_2 + p_84*z_0_3;
-        const double d_86 = p_82*z_0_0;
-        const double d_87 = p_83*z_0_0;
-        const double d_88 = p_84*z_0_0;
+        const double p_102 = x13;
+        const double d_103 = p_100*z_0_1 + p_101*z_0_2 + p_102*z_0_3 + p_79*p_99;
+        const double d_104 = p_100*z_0_0;
+        const double d_105 = p_101*z_0_0;
+        const double d_106 = p_102*z_0_0;
         const double sig_19 = e_14*w_15;
-        const double p_89 = x7;
-        const double p_90 = x10;
-        const double p_91 = x13;
-        const double p_92 = e_14*x3*(e_13 + x11);
-        const double d_93 = p_61*p_89 + p_90*z_0_1 + p_91*z_0_2 + p_92*z_0_3;
-        const double d_94 = p_90*z_0_0;
-        const double d_95 = p_91*z_0_0;
-        const double d_96 = p_92*z_0_0;
+        const double p_107 = x7;
+        const double p_108 = x10;
+        const double p_109 = x13;
+        const double p_110 = e_14*x3*(e_13 + x11);
+        const double d_111 = p_107*p_79 + p_108*z_0_1 + p_109*z_0_2 + p_110*z_0_3;
+        const double d_112 = p_108*z_0_0;
+        const double d_113 = p_109*z_0_0;
+        const double d_114 = p_110*z_0_0;
         const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
@@ -1528,50 +1728,50 @@ cdef extern from *:
         const double sig_26 = e_21*w_25;
         const double x17 = beta*(w_25*w_25);
         const double x18 = e_21*x17;
-        const double p_97 = x16*x18;
+        const double p_115 = x16*x18;
         const double x19 = -e_22*x18;
-        const double p_98 = x19;
+        const double p_116 = x19;
         const double x20 = -e_23*x18;
-        const double p_99 = x20;
+        const double p_117 = x20;
         const double x21 = -e_24*x18;
-        const double p_100 = x21;
-        const double d_101 = p_97*z_0_1;
-        const double d_102 = p_100*z_0_3 + p_62*p_98 + p_97*z_0_0 + p_99*z_0_2;
-        const double d_103 = p_99*z_0_1;
-        const double d_104 = p_100*z_0_1;
+        const double p_118 = x21;
+        const double d_119 = p_115*z_0_1;
+        const double d_120 = p_115*z_0_0 + p_116*p_80 + p_117*z_0_2 + p_118*z_0_3;
+        const double d_121 = p_117*z_0_1;
+        const double d_122 = p_118*z_0_1;
         const double sig_27 = e_22*w_25;
-        const double p_105 = x19;
+        const double p_123 = x19;
         const double x22 = e_22*x17;
-        const double p_106 = x22*(e_21 + x15);
+        const double p_124 = x22*(e_21 + x15);
         const double x23 = -e_23*x22;
-        const double p_107 = x23;
+        const double p_125 = x23;
         const double x24 = -e_24*x22;
-        const double p_108 = x24;
-        const double d_109 = p_105*z_0_1;
-        const double d_110 = p_105*z_0_0 + p_106*p_62 + p_107*z_0_2 + p_108*z_0_3;
-        const double d_111 = p_107*z_0_1;
-        const double d_112 = p_108*z_0_1;
+        const double p_126 = x24;
+        const double d_127 = p_123*z_0_1;
+        const double d_128 = p_123*z_0_0 + p_124*p_80 + p_125*z_0_2 + p_126*z_0_3;
+        const double d_129 = p_125*z_0_1;
+        const double d_130 = p_126*z_0_1;
         const double sig_28 = e_23*w_25;
-        const double p_113 = x20;
-        const double p_114 = x23;
+        const double p_131 = x20;
+        const double p_132 = x23;
         const double x25 = e_21 + e_22;
         const double x26 = e_23*x17;
-        const double p_115 = x26*(e_24 + x25);
+        const double p_133 = x26*(e_24 + x25);
         const double x27 = -e_24*x26;
-        const double p_116 = x27;
-        const double d_117 = p_113*z_0_1;
-        const double d_118 = p_113*z_0_0 + p_114*p_62 + p_115*z_0_2 + p_116*z_0_3;
-        const double d_119 = p_115*z_0_1;
-        const double d_120 = p_116*z_0_1;
+        const double p_134 = x27;
+        const double d_135 = p_131*z_0_1;
+        const double d_136 = p_131*z_0_0 + p_132*p_80 + p_133*z_0_2 + p_134*z_0_3;
+        const double d_137 = p_133*z_0_1;
+        const double d_138 = p_134*z_0_1;
         const double sig_29 = e_24*w_25;
-        const double p_121 = x21;
-        const double p_122 = x24;
-        const double p_123 = x27;
-        const double p_124 = e_24*x17*(e_23 + x25);
-        const double d_125 = p_121*z_0_1;
-        const double d_126 = p_121*z_0_0 + p_122*p_62 + p_123*z_0_2 + p_124*z_0_3;
-        const double d_127 = p_123*z_0_1;
-        const double d_128 = p_124*z_0_1;
+        const double p_139 = x21;
+        const double p_140 = x24;
+        const double p_141 = x27;
+        const double p_142 = e_24*x17*(e_23 + x25);
+        const double d_143 = p_139*z_0_1;
+        const double d_144 = p_139*z_0_0 + p_140*p_80 + p_141*z_0_2 + p_142*z_0_3;
+        const double d_145 = p_141*z_0_1;
+        const double d_146 = p_142*z_0_1;
         const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
@@ -1584,50 +1784,50 @@ cdef extern from *:
         const double sig_36 = e_31*w_35;
         const double x31 = beta*(w_35*w_35);
         const double x32 = e_31*x31;
-        const double p_129 = x30*x32;
+        const double p_147 = x30*x32;
         const double x33 = -e_32*x32;
-        const double p_130 = x33;
+        const double p_148 = x33;
         const double x34 = -e_33*x32;
-        const double p_131 = x34;
+        const double p_149 = x34;
         const double x35 = -e_34*x32;
-        const double p_132 = x35;
-        const double d_133 = p_129*z_0_2;
-        const double d_134 = p_130*z_0_2;
-        const double d_135 = p_129*z_0_0 + p_130*z_0_1 + p_131*p_63 + p_132*z_0_3;
-        const double d_136 = p_132*z_0_2;
+        const double p_150 = x35;
+        const double d_151 = p_147*z_0_2;
+        const double d_152 = p_148*z_0_2;
+        const double d_153 = p_147*z_0_0 + p_148*z_0_1 + p_149*p_81 + p_150*z_0_3;
+        const double d_154 = p_150*z_0_2;
         const double sig_37 = e_32*w_35;
-        const double p_137 = x33;
+        const double p_155 = x33;
         const double x36 = e_32*x31;
-        const double p_138 = x36*(e_31 + x29);
+        const double p_156 = x36*(e_31 + x29);
         const double x37 = -e_33*x36;
-        const double p_139 = x37;
+        const double p_157 = x37;
         const double x38 = -e_34*x36;
-        const double p_140 = x38;
-        const double d_141 = p_137*z_0_2;
-        const double d_142 = p_138*z_0_2;
-        const double d_143 = p_137*z_0_0 + p_138*z_0_1 + p_139*p_63 + p_140*z_0_3;
-        const double d_144 = p_140*z_0_2;
+        const double p_158 = x38;
+        const double d_159 = p_155*z_0_2;
+        const double d_160 = p_156*z_0_2;
+        const double d_161 = p_155*z_0_0 + p_156*z_0_1 + p_157*p_81 + p_158*z_0_3;
+        const double d_162 = p_158*z_0_2;
         const double sig_38 = e_33*w_35;
-        const double p_145 = x34;
-        const double p_146 = x37;
+        const double p_163 = x34;
+        const double p_164 = x37;
         const double x39 = e_31 + e_32;
         const double x40 = e_33*x31;
-        const double p_147 = x40*(e_34 + x39);
+        const double p_165 = x40*(e_34 + x39);
         const double x41 = -e_34*x40;
-        const double p_148 = x41;
-        const double d_149 = p_145*z_0_2;
-        const double d_150 = p_146*z_0_2;
-        const double d_151 = p_145*z_0_0 + p_146*z_0_1 + p_147*p_63 + p_148*z_0_3;
-        const double d_152 = p_148*z_0_2;
+        const double p_166 = x41;
+        const double d_167 = p_163*z_0_2;
+        const double d_168 = p_164*z_0_2;
+        const double d_169 = p_163*z_0_0 + p_164*z_0_1 + p_165*p_81 + p_166*z_0_3;
+        const double d_170 = p_166*z_0_2;
         const double sig_39 = e_34*w_35;
-        const double p_153 = x35;
-        const double p_154 = x38;
-        const double p_155 = x41;
-        const double p_156 = e_34*x31*(e_33 + x39);
-        const double d_157 = p_153*z_0_2;
-        const double d_158 = p_154*z_0_2;
-        const double d_159 = p_153*z_0_0 + p_154*z_0_1 + p_155*p_63 + p_156*z_0_3;
-        const double d_160 = p_156*z_0_2;
+        const double p_171 = x35;
+        const double p_172 = x38;
+        const double p_173 = x41;
+        const double p_174 = e_34*x31*(e_33 + x39);
+        const double d_175 = p_171*z_0_2;
+        const double d_176 = p_172*z_0_2;
+        const double d_177 = p_171*z_0_0 + p_172*z_0_1 + p_173*p_81 + p_174*z_0_3;
+        const double d_178 = p_174*z_0_2;
         const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
@@ -1640,341 +1840,397 @@ cdef extern from *:
         const double sig_46 = e_41*w_45;
         const double x45 = beta*(w_45*w_45);
         const double x46 = e_41*x45;
-        const double p_161 = x44*x46;
+        const double p_179 = x44*x46;
         const double x47 = -e_42*x46;
-        const double p_162 = x47;
+        const double p_180 = x47;
         const double x48 = -e_43*x46;
-        const double p_163 = x48;
+        const double p_181 = x48;
         const double x49 = -e_44*x46;
-        const double p_164 = x49;
-        const double d_165 = p_161*z_0_3;
-        const double d_166 = p_162*z_0_3;
-        const double d_167 = p_163*z_0_3;
-        const double d_168 = p_161*z_0_0 + p_162*z_0_1 + p_163*z_0_2 + p_164*p_64;
+        const double p_182 = x49;
+        const double d_183 = p_179*z_0_3;
+        const double d_184 = p_180*z_0_3;
+        const double d_185 = p_181*z_0_3;
+        const double d_186 = p_179*z_0_0 + p_180*z_0_1 + p_181*z_0_2 + p_182*p_82;
         const double sig_47 = e_42*w_45;
-        const double p_169 = x47;
+        const double p_187 = x47;
         const double x50 = e_42*x45;
-        const double p_170 = x50*(e_41 + x43);
+        const double p_188 = x50*(e_41 + x43);
         const double x51 = -e_43*x50;
-        const double p_171 = x51;
+        const double p_189 = x51;
         const double x52 = -e_44*x50;
-        const double p_172 = x52;
-        const double d_173 = p_169*z_0_3;
-        const double d_174 = p_170*z_0_3;
-        const double d_175 = p_171*z_0_3;
-        const double d_176 = p_169*z_0_0 + p_170*z_0_1 + p_171*z_0_2 + p_172*p_64;
+        const double p_190 = x52;
+        const double d_191 = p_187*z_0_3;
+        const double d_192 = p_188*z_0_3;
+        const double d_193 = p_189*z_0_3;
+        const double d_194 = p_187*z_0_0 + p_188*z_0_1 + p_189*z_0_2 + p_190*p_82;
         const double sig_48 = e_43*w_45;
-        const double p_177 = x48;
-        const double p_178 = x51;
+        const double p_195 = x48;
+        const double p_196 = x51;
         const double x53 = e_41 + e_42;
         const double x54 = e_43*x45;
-        const double p_179 = x54*(e_44 + x53);
+        const double p_197 = x54*(e_44 + x53);
         const double x55 = -e_44*x54;
-        const double p_180 = x55;
-        const double d_181 = p_177*z_0_3;
-        const double d_182 = p_178*z_0_3;
-        const double d_183 = p_179*z_0_3;
-        const double d_184 = p_177*z_0_0 + p_178*z_0_1 + p_179*z_0_2 + p_180*p_64;
+        const double p_198 = x55;
+        const double d_199 = p_195*z_0_3;
+        const double d_200 = p_196*z_0_3;
+        const double d_201 = p_197*z_0_3;
+        const double d_202 = p_195*z_0_0 + p_196*z_0_1 + p_197*z_0_2 + p_198*p_82;
         const double sig_49 = e_44*w_45;
-        const double p_185 = x49;
-        const double p_186 = x52;
-        const double p_187 = x55;
-        const double p_188 = e_44*x45*(e_43 + x53);
-        const double d_189 = p_185*z_0_3;
-        const double d_190 = p_186*z_0_3;
-        const double d_191 = p_187*z_0_3;
-        const double d_192 = p_185*z_0_0 + p_186*z_0_1 + p_187*z_0_2 + p_188*p_64;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
-        const double x56 = Phi_51*sig_26;
-        const double x57 = sig_28*sig_36;
-        const double x58 = sig_29*sig_46;
-        const double x59 = x57 + x58;
-        const double x60 = x56 + x59;
-        const double x61 = Phi_52*sig_36;
-        const double x62 = sig_26*sig_37;
-        const double x63 = sig_39*sig_46;
-        const double x64 = x62 + x63;
-        const double x65 = x61 + x64;
-        const double x66 = Phi_53*sig_46;
-        const double x67 = sig_26*sig_47;
-        const double x68 = sig_36*sig_48;
-        const double x69 = x67 + x68;
-        const double x70 = x66 + x69;
-        const double x71 = Phi_51*x60 + sig_28*x65 + sig_29*x70;
-        const double x72 = Phi_52*x65 + sig_37*x60 + sig_39*x70;
-        const double x73 = Phi_53*x70 + sig_47*x60 + sig_48*x65;
-        const double x74 = sig_17*sig_26;
-        const double x75 = sig_18*sig_36;
-        const double x76 = sig_19*sig_46;
-        const double x77 = -x74 - x75 - x76;
-        const double x78 = sig_39*sig_48;
-        const double x79 = Phi_52 + Phi_53;
-        const double x80 = -x79;
-        const double x81 = Phi_52*Phi_53;
-        const double x82 = sig_28*sig_37;
-        const double x83 = sig_29*sig_47;
-        const double x84 = x82 + x83;
-        const double x85 = -Phi_51*x80 - x78 + x81 - x84;
-        const double x86 = sig_39*sig_47;
-        const double x87 = Phi_52*sig_37 + x86;
-        const double x88 = sig_37*sig_48;
-        const double x89 = Phi_53*sig_47 + x88;
-        const double x90 = -x78 + x81;
-        const double x91 = Phi_51*x90 + sig_28*x87 + sig_29*x89 + x80*x84;
-        const double x92 = -Phi_51 - x79;
-        const double x93 = sig_17*x60;
-        const double x94 = sig_18*x65;
-        const double x95 = sig_19*x70;
-        const double det_54 = Phi_50*x91 - sig_17*x71 - sig_18*x72 - sig_19*x73 + x77*x85 + x92*(-x93 - x94 - x95);
-        const double p_193 = x91;
-        const double x96 = sig_19*x67;
-        const double x97 = sig_18*x62;
-        const double x98 = -x90;
-        const double x99 = -x93 - x94 - x95;
-        const double p_194 = -Phi_50*x98 - sig_17*(2*x56 + x59) - x74*x92 + x77*x79 - x96 - x97 - x99;
-        const double x100 = sig_19*x68;
-        const double x101 = sig_17*x57;
-        const double x102 = Phi_51*Phi_53;
-        const double x103 = x102 - x83;
-        const double x104 = -x103;
-        const double p_195 = -Phi_50*x104 - sig_18*(2*x61 + x64) - x100 - x101 - x75*x92 + x77*(Phi_51 + Phi_53) - x99;
-        const double x105 = sig_18*x63;
-        const double x106 = sig_17*x58;
-        const double x107 = Phi_51*Phi_52;
-        const double x108 = x107 - x82;
-        const double x109 = -x108;
-        const double p_196 = -Phi_50*x109 - sig_19*(2*x66 + x69) - x105 - x106 - x76*x92 + x77*(Phi_51 + Phi_52) - x99;
-        const double p_197 = -sig_26*x85 - x60*x92 - x71;
-        const double p_198 = -sig_36*x85 - x65*x92 - x72;
-        const double p_199 = -sig_46*x85 - x70*x92 - x73;
-        const double x110 = sig_18*sig_37;
-        const double x111 = sig_19*sig_47;
-        const double p_200 = -sig_17*x85 - sig_17*((Phi_51*Phi_51) + x84) - sig_18*(Phi_51*sig_37 + x87) - sig_19*(Phi_51*sig_47 + x89) + x92*(-Phi_51*sig_17 - x110 - x111);
-        const double x112 = sig_36*x111;
-        const double x113 = Phi_51*sig_36;
-        const double p_201 = -Phi_50*(-sig_37*x80 - x87) - sig_17*sig_36*x92 - sig_17*(x113 + x65) - sig_37*x75 - sig_37*x77 - x112;
-        const double x114 = sig_46*x110;
-        const double x115 = Phi_51*sig_46;
-        const double p_202 = -Phi_50*(-sig_47*x80 - x89) - sig_17*sig_46*x92 - sig_17*(x115 + x70) - sig_47*x76 - sig_47*x77 - x114;
-        const double x116 = sig_29*sig_48;
-        const double x117 = Phi_52*sig_28 + x116;
-        const double x118 = sig_28*sig_47;
-        const double x119 = sig_17*sig_28;
-        const double x120 = sig_19*sig_48;
-        const double p_203 = -sig_17*(Phi_51*sig_28 + x117) - sig_18*x85 - sig_18*((Phi_52*Phi_52) + x78 + x82) - sig_19*(Phi_52*sig_48 + Phi_53*sig_48 + x118) + x92*(-Phi_52*sig_18 - x119 - x120);
-        const double x121 = sig_26*x120;
-        const double x122 = Phi_52*sig_26;
-        const double p_204 = -Phi_50*(-sig_28*x80 - x117) - sig_18*sig_26*x92 - sig_18*(x122 + x60) - sig_28*x74 - sig_28*x77 - x121;
-        const double x123 = sig_46*x119;
-        const double x124 = Phi_51*sig_48;
-        const double x125 = -x118 + x124;
-        const double x126 = sig_18*sig_46;
-        const double x127 = Phi_52*sig_46;
-        const double p_205 = -Phi_50*x125 - sig_18*(x127 + x70) - sig_48*x76 - sig_48*x77 - x123 - x126*x92;
-        const double x128 = sig_28*sig_39;
-        const double x129 = Phi_53*sig_29 + x128;
-        const double x130 = sig_29*sig_37;
-        const double x131 = sig_17*sig_29;
-        const double x132 = sig_18*sig_39;
-        const double p_206 = -sig_17*(Phi_51*sig_29 + x129) - sig_18*(Phi_52*sig_39 + Phi_53*sig_39 + x130) - sig_19*x85 - sig_19*((Phi_53*Phi_53) + x78 + x83) + x92*(-Phi_53*sig_19 - x131 - x132);
-        const double x133 = sig_26*x132;
-        const double x134 = Phi_53*sig_26;
-        const double p_207 = -Phi_50*(-sig_29*x80 - x129) - sig_19*sig_26*x92 - sig_19*(x134 + x60) - sig_29*x74 - sig_29*x77 - x133;
-        const double x135 = sig_36*x131;
-        const double x136 = Phi_51*sig_39;
-        const double x137 = -x130 + x136;
-        const double x138 = sig_19*sig_36;
-        const double x139 = Phi_53*sig_36;
-        const double p_208 = -Phi_50*x137 - sig_19*(x139 + x65) - sig_39*x75 - sig_39*x77 - x135 - x138*x92;
-        const double d_209 = d_101*p_200 + d_109*p_194 + d_117*p_201 + d_125*p_202 + d_133*p_203 + d_141*p_204 + d_149*p_195 + d_157*p_205 + d_165*p_206 + d_173*p_207 + d_181*p_208 + d_189*p_196 + d_69*p_193 + d_77*p_197 + d_85*p_198 + d_93*p_199;
-        const double d_210 = d_102*p_200 + d_110*p_194 + d_118*p_201 + d_126*p_202 + d_134*p_203 + d_142*p_204 + d_150*p_195 + d_158*p_205 + d_166*p_206 + d_174*p_207 + d_182*p_208 + d_190*p_196 + d_70*p_193 + d_78*p_197 + d_86*p_198 + d_94*p_199;
-        const double d_211 = d_103*p_200 + d_111*p_194 + d_119*p_201 + d_127*p_202 + d_135*p_203 + d_143*p_204 + d_151*p_195 + d_159*p_205 + d_167*p_206 + d_175*p_207 + d_183*p_208 + d_191*p_196 + d_71*p_193 + d_79*p_197 + d_87*p_198 + d_95*p_199;
-        const double d_212 = d_104*p_200 + d_112*p_194 + d_120*p_201 + d_128*p_202 + d_136*p_203 + d_144*p_204 + d_152*p_195 + d_160*p_205 + d_168*p_206 + d_176*p_207 + d_184*p_208 + d_192*p_196 + d_72*p_193 + d_80*p_197 + d_88*p_198 + d_96*p_199;
-        const double x140 = fabs(det_54);
-        const double logdet_55 = log(x140);
-        const double p_213 = (((det_54) > 0) - ((det_54) < 0))/x140;
-        const double d_214 = d_209*p_213;
-        const double d_215 = d_210*p_213;
-        const double d_216 = d_211*p_213;
-        const double d_217 = d_212*p_213;
-        const double idet_56 = (1.0/(det_54));
-        const double p_218 = -(idet_56*idet_56);
-        const double d_219 = d_209*p_218;
-        const double d_220 = d_210*p_218;
-        const double d_221 = d_211*p_218;
-        const double d_222 = d_212*p_218;
-        const double x141 = u_0_0*(-Phi_51*x78 + Phi_51*x81 - Phi_52*x83 - Phi_53*x82 + sig_28*x86 + sig_29*x88) + u_1_0*(Phi_52*sig_19*sig_47 + Phi_53*sig_18*sig_37 + sig_17*sig_39*sig_48 - sig_17*x81 - sig_18*x86 - sig_19*x88) + u_2_0*(Phi_51*sig_19*sig_48 + Phi_53*sig_17*sig_28 - sig_17*x116 + sig_18*sig_29*sig_47 - sig_18*x102 - sig_28*x111) + u_3_0*(Phi_51*sig_18*sig_39 + Phi_52*sig_17*sig_29 + sig_19*sig_28*sig_37 - sig_19*x107 - sig_29*x110 - sig_39*x119);
-        const double h_57 = idet_56*x141;
-        const double x142 = Phi_53*sig_18 - x120;
-        const double x143 = -x142;
-        const double x144 = Phi_52*sig_19 - x132;
-        const double x145 = -x144;
-        const double p_223 = idet_56*(u_0_0*x90 + u_2_0*x143 + u_3_0*x145);
-        const double x146 = Phi_53*sig_17 - x111;
-        const double x147 = -x146;
-        const double x148 = Phi_51*sig_19 - x131;
-        const double x149 = -x148;
-        const double p_224 = idet_56*(u_0_0*x103 + u_1_0*x147 + u_3_0*x149);
-        const double x150 = Phi_52*sig_17 - x110;
-        const double x151 = -x150;
-        const double x152 = Phi_51*sig_18 - x119;
-        const double x153 = -x152;
-        const double p_225 = idet_56*(u_0_0*x108 + u_1_0*x151 + u_2_0*x153);
-        const double p_226 = x141;
-        const double x154 = Phi_53*sig_28;
-        const double x155 = -x116 + x154;
-        const double x156 = Phi_52*sig_29;
-        const double x157 = -x128 + x156;
-        const double p_227 = idet_56*(u_1_0*x98 + u_2_0*x155 + u_3_0*x157);
-        const double x158 = Phi_53*sig_37;
-        const double x159 = x158 - x86;
-        const double p_228 = idet_56*(u_1_0*x159 + u_2_0*x104 + u_3_0*x137);
-        const double x160 = Phi_52*sig_47;
-        const double x161 = x160 - x88;
-        const double p_229 = idet_56*(u_1_0*x161 + u_2_0*x125 + u_3_0*x109);
-        const double x162 = -x159;
-        const double x163 = sig_17*sig_39 - sig_19*sig_37;
-        const double x164 = -x163;
-        const double p_230 = idet_56*(u_0_0*x162 + u_2_0*x146 + u_3_0*x164);
-        const double x165 = -x161;
-        const double x166 = sig_17*sig_48 - sig_18*sig_47;
-        const double x167 = -x166;
-        const double p_231 = idet_56*(u_0_0*x165 + u_2_0*x167 + u_3_0*x150);
-        const double x168 = -x155;
-        const double x169 = sig_18*sig_29 - sig_19*sig_28;
-        const double x170 = -x169;
-        const double p_232 = idet_56*(u_0_0*x168 + u_1_0*x142 + u_3_0*x170);
-        const double x171 = -x125;
-        const double p_233 = idet_56*(u_0_0*x171 + u_1_0*x166 + u_3_0*x152);
-        const double x172 = -x157;
-        const double p_234 = idet_56*(u_0_0*x172 + u_1_0*x144 + u_2_0*x169);
-        const double x173 = -x137;
-        const double p_235 = idet_56*(u_0_0*x173 + u_1_0*x163 + u_2_0*x148);
-        const double d_236 = d_109*p_223 + d_117*p_230 + d_125*p_231 + d_141*p_232 + d_149*p_224 + d_157*p_233 + d_173*p_234 + d_181*p_235 + d_189*p_225 + d_219*p_226 + d_77*p_227 + d_85*p_228 + d_93*p_229;
-        const double d_237 = d_110*p_223 + d_118*p_230 + d_126*p_231 + d_142*p_232 + d_150*p_224 + d_158*p_233 + d_174*p_234 + d_182*p_235 + d_190*p_225 + d_220*p_226 + d_78*p_227 + d_86*p_228 + d_94*p_229;
-        const double d_238 = d_111*p_223 + d_119*p_230 + d_127*p_231 + d_143*p_232 + d_151*p_224 + d_159*p_233 + d_175*p_234 + d_183*p_235 + d_191*p_225 + d_221*p_226 + d_79*p_227 + d_87*p_228 + d_95*p_229;
-        const double d_239 = d_112*p_223 + d_120*p_230 + d_128*p_231 + d_144*p_232 + d_152*p_224 + d_160*p_233 + d_176*p_234 + d_184*p_235 + d_192*p_225 + d_222*p_226 + d_80*p_227 + d_88*p_228 + d_96*p_229;
-        const double x174 = u_0_0*(Phi_52*sig_29*sig_46 + Phi_53*sig_28*sig_36 + sig_26*sig_39*sig_48 - sig_26*x81 - sig_28*x63 - sig_29*x68) + u_1_0*(-Phi_50*x78 + Phi_50*x81 - Phi_52*x76 - Phi_53*x75 + x100 + x105) + u_2_0*(Phi_50*sig_29*sig_48 - Phi_50*x154 + Phi_53*sig_18*sig_26 - sig_18*x58 + sig_19*sig_28*sig_46 - x121) + u_3_0*(Phi_50*sig_28*sig_39 - Phi_50*x156 + Phi_52*sig_19*sig_26 + sig_18*sig_29*sig_36 - sig_19*x57 - x133);
-        const double h_58 = idet_56*x174;
-        const double p_240 = idet_56*(u_1_0*x90 + u_2_0*x168 + u_3_0*x172);
-        const double x175 = x134 - x58;
-        const double x176 = -x175;
-        const double x177 = Phi_50*Phi_53 - x76;
-        const double x178 = Phi_50*sig_29 - sig_19*sig_26;
-        const double x179 = -x178;
-        const double p_241 = idet_56*(u_0_0*x176 + u_1_0*x177 + u_3_0*x179);
-        const double x180 = x122 - x57;
-        const double x181 = -x180;
-        const double x182 = Phi_50*Phi_52 - x75;
-        const double x183 = Phi_50*sig_28 - sig_18*sig_26;
-        const double x184 = -x183;
-        const double p_242 = idet_56*(u_0_0*x181 + u_1_0*x182 + u_2_0*x184);
-        const double p_243 = x174;
-        const double x185 = x139 - x63;
-        const double x186 = -x185;
-        const double x187 = sig_26*sig_39 - sig_29*sig_36;
-        const double x188 = -x187;
-        const double p_244 = idet_56*(u_1_0*x186 + u_2_0*x175 + u_3_0*x188);
-        const double x189 = x127 - x68;
-        const double x190 = -x189;
-        const double x191 = sig_26*sig_48 - sig_28*sig_46;
-        const double x192 = -x191;
-        const double p_245 = idet_56*(u_1_0*x190 + u_2_0*x192 + u_3_0*x180);
-        const double p_246 = idet_56*(u_0_0*x98 + u_2_0*x142 + u_3_0*x144);
-        const double x193 = -x177;
-        const double x194 = Phi_50*sig_39 - x138;
-        const double p_247 = idet_56*(u_0_0*x185 + u_2_0*x193 + u_3_0*x194);
-        const double x195 = Phi_50*sig_48 - x126;
-        const double x196 = -x182;
-        const double p_248 = idet_56*(u_0_0*x189 + u_2_0*x195 + u_3_0*x196);
-        const double p_249 = idet_56*(u_0_0*x155 + u_1_0*x143 + u_3_0*x169);
-        const double x197 = -x195;
-        const double p_250 = idet_56*(u_0_0*x191 + u_1_0*x197 + u_3_0*x183);
-        const double p_251 = idet_56*(u_0_0*x157 + u_1_0*x145 + u_2_0*x170);
-        const double x198 = -x194;
-        const double p_252 = idet_56*(u_0_0*x187 + u_1_0*x198 + u_2_0*x178);
-        const double d_253 = d_101*p_246 + d_117*p_247 + d_125*p_248 + d_133*p_249 + d_149*p_241 + d_157*p_250 + d_165*p_251 + d_181*p_252 + d_189*p_242 + d_219*p_243 + d_69*p_240 + d_85*p_244 + d_93*p_245;
-        const double d_254 = d_102*p_246 + d_118*p_247 + d_126*p_248 + d_134*p_249 + d_150*p_241 + d_158*p_250 + d_166*p_251 + d_182*p_252 + d_190*p_242 + d_220*p_243 + d_70*p_240 + d_86*p_244 + d_94*p_245;
-        const double d_255 = d_103*p_246 + d_119*p_247 + d_127*p_248 + d_135*p_249 + d_151*p_241 + d_159*p_250 + d_167*p_251 + d_183*p_252 + d_191*p_242 + d_221*p_243 + d_71*p_240 + d_87*p_244 + d_95*p_245;
-        const double d_256 = d_104*p_246 + d_120*p_247 + d_128*p_248 + d_136*p_249 + d_152*p_241 + d_160*p_250 + d_168*p_251 + d_184*p_252 + d_192*p_242 + d_222*p_243 + d_72*p_240 + d_88*p_244 + d_96*p_245;
-        const double x199 = u_0_0*(Phi_51*sig_39*sig_46 + Phi_53*sig_26*sig_37 + sig_29*sig_36*sig_47 - sig_36*x102 - sig_37*x58 - sig_39*x67) + u_1_0*(Phi_50*sig_39*sig_47 - Phi_50*x158 + Phi_53*sig_17*sig_36 - sig_17*x63 + sig_19*sig_37*sig_46 - x112) + u_2_0*(Phi_50*x102 - Phi_50*x83 - Phi_51*x76 - Phi_53*x74 + x106 + x96) + u_3_0*(Phi_50*sig_29*sig_37 - Phi_50*x136 + Phi_51*sig_19*sig_36 + sig_17*sig_26*sig_39 - sig_19*x62 - x135);
-        const double h_59 = idet_56*x199;
-        const double p_257 = idet_56*(u_1_0*x162 + u_2_0*x103 + u_3_0*x173);
-        const double p_258 = idet_56*(u_0_0*x186 + u_2_0*x177 + u_3_0*x198);
-        const double x200 = x113 - x62;
-        const double x201 = -x200;
-        const double x202 = Phi_50*sig_37 - sig_17*sig_36;
-        const double x203 = -x202;
-        const double x204 = Phi_50*Phi_51 - x74;
-        const double p_259 = idet_56*(u_0_0*x201 + u_1_0*x203 + u_2_0*x204);
-        const double p_260 = x199;
-        const double p_261 = idet_56*(u_1_0*x185 + u_2_0*x176 + u_3_0*x187);
-        const double x205 = sig_36*sig_47 - sig_37*sig_46;
-        const double x206 = -x205;
-        const double x207 = x115 - x67;
-        const double x208 = -x207;
-        const double p_262 = idet_56*(u_1_0*x206 + u_2_0*x208 + u_3_0*x200);
-        const double p_263 = idet_56*(u_0_0*x159 + u_2_0*x147 + u_3_0*x163);
-        const double x209 = Phi_50*sig_47 - sig_17*sig_46;
-        const double x210 = -x209;
-        const double p_264 = idet_56*(u_0_0*x205 + u_2_0*x210 + u_3_0*x202);
-        const double p_265 = idet_56*(u_0_0*x104 + u_1_0*x146 + u_3_0*x148);
-        const double p_266 = idet_56*(u_0_0*x175 + u_1_0*x193 + u_3_0*x178);
-        const double x211 = -x204;
-        const double p_267 = idet_56*(u_0_0*x207 + u_1_0*x209 + u_3_0*x211);
-        const double p_268 = idet_56*(u_0_0*x137 + u_1_0*x164 + u_2_0*x149);
-        const double p_269 = idet_56*(u_0_0*x188 + u_1_0*x194 + u_2_0*x179);
-        const double d_270 = d_101*p_263 + d_109*p_258 + d_125*p_264 + d_133*p_265 + d_141*p_266 + d_157*p_267 + d_165*p_268 + d_173*p_269 + d_189*p_259 + d_219*p_260 + d_69*p_257 + d_77*p_261 + d_93*p_262;
-        const double d_271 = d_102*p_263 + d_110*p_258 + d_126*p_264 + d_134*p_265 + d_142*p_266 + d_158*p_267 + d_166*p_268 + d_174*p_269 + d_190*p_259 + d_220*p_260 + d_70*p_257 + d_78*p_261 + d_94*p_262;
-        const double d_272 = d_103*p_263 + d_111*p_258 + d_127*p_264 + d_135*p_265 + d_143*p_266 + d_159*p_267 + d_167*p_268 + d_175*p_269 + d_191*p_259 + d_221*p_260 + d_71*p_257 + d_79*p_261 + d_95*p_262;
-        const double d_273 = d_104*p_263 + d_112*p_258 + d_128*p_264 + d_136*p_265 + d_144*p_266 + d_160*p_267 + d_168*p_268 + d_176*p_269 + d_192*p_259 + d_222*p_260 + d_72*p_257 + d_80*p_261 + d_96*p_262;
-        const double x212 = u_0_0*(Phi_51*sig_36*sig_48 + Phi_52*sig_26*sig_47 + sig_28*sig_37*sig_46 - sig_46*x107 - sig_47*x57 - sig_48*x62) + u_1_0*(Phi_50*sig_37*sig_48 - Phi_50*x160 + Phi_52*sig_17*sig_46 - sig_17*x68 + sig_18*sig_36*sig_47 - x114) + u_2_0*(Phi_50*sig_28*sig_47 - Phi_50*x124 + Phi_51*sig_18*sig_46 + sig_17*sig_26*sig_48 - sig_18*x67 - x123) + u_3_0*(Phi_50*x107 - Phi_50*x82 - Phi_51*x75 - Phi_52*x74 + x101 + x97);
-        const double h_60 = idet_56*x212;
-        const double p_274 = idet_56*(u_1_0*x165 + u_2_0*x171 + u_3_0*x108);
-        const double p_275 = idet_56*(u_0_0*x190 + u_2_0*x197 + u_3_0*x182);
-        const double p_276 = idet_56*(u_0_0*x208 + u_1_0*x210 + u_3_0*x204);
-        const double p_277 = x212;
-        const double p_278 = idet_56*(u_1_0*x189 + u_2_0*x191 + u_3_0*x181);
-        const double p_279 = idet_56*(u_1_0*x205 + u_2_0*x207 + u_3_0*x201);
-        const double p_280 = idet_56*(u_0_0*x161 + u_2_0*x166 + u_3_0*x151);
-        const double p_281 = idet_56*(u_0_0*x206 + u_2_0*x209 + u_3_0*x203);
-        const double p_282 = idet_56*(u_0_0*x125 + u_1_0*x167 + u_3_0*x153);
-        const double p_283 = idet_56*(u_0_0*x192 + u_1_0*x195 + u_3_0*x184);
-        const double p_284 = idet_56*(u_0_0*x109 + u_1_0*x150 + u_2_0*x152);
-        const double p_285 = idet_56*(u_0_0*x180 + u_1_0*x196 + u_2_0*x183);
-        const double p_286 = idet_56*(u_0_0*x200 + u_1_0*x202 + u_2_0*x211);
-        const double d_287 = d_101*p_280 + d_109*p_275 + d_117*p_281 + d_133*p_282 + d_141*p_283 + d_149*p_276 + d_165*p_284 + d_173*p_285 + d_181*p_286 + d_219*p_277 + d_69*p_274 + d_77*p_278 + d_85*p_279;
-        const double d_288 = d_102*p_280 + d_110*p_275 + d_118*p_281 + d_134*p_282 + d_142*p_283 + d_150*p_276 + d_166*p_284 + d_174*p_285 + d_182*p_286 + d_220*p_277 + d_70*p_274 + d_78*p_278 + d_86*p_279;
-        const double d_289 = d_103*p_280 + d_111*p_275 + d_119*p_281 + d_135*p_282 + d_143*p_283 + d_151*p_276 + d_167*p_284 + d_175*p_285 + d_183*p_286 + d_221*p_277 + d_71*p_274 + d_79*p_278 + d_87*p_279;
-        const double d_290 = d_104*p_280 + d_112*p_275 + d_120*p_281 + d_136*p_282 + d_144*p_283 + d_152*p_276 + d_168*p_284 + d_176*p_285 + d_184*p_286 + d_222*p_277 + d_72*p_274 + d_80*p_278 + d_88*p_279;
-        out[0] = h_57;
-        out[1] = h_58;
-        out[2] = h_59;
-        out[3] = h_60;
-        out[4] = logdet_55;
-        out[5] = d_236;
-        out[6] = d_237;
-        out[7] = d_238;
-        out[8] = d_239;
-        out[9] = d_253;
-        out[10] = d_254;
-        out[11] = d_255;
-        out[12] = d_256;
-        out[13] = d_270;
-        out[14] = d_271;
-        out[15] = d_272;
-        out[16] = d_273;
-        out[17] = d_287;
-        out[18] = d_288;
-        out[19] = d_289;
-        out[20] = d_290;
-        out[21] = d_214;
-        out[22] = d_215;
-        out[23] = d_216;
-        out[24] = d_217;
+        const double p_203 = x49;
+        const double p_204 = x52;
+        const double p_205 = x55;
+        const double p_206 = e_44*x45*(e_43 + x53);
+        const double d_207 = p_203*z_0_3;
+        const double d_208 = p_204*z_0_3;
+        const double d_209 = p_205*z_0_3;
+        const double d_210 = p_203*z_0_0 + p_204*z_0_1 + p_205*z_0_2 + p_206*p_82;
+        const double piv_50 = c + sig_16;
+        const double x56 = (1.0/(piv_50));
+        const double x57 = fabs(piv_50) > 1.0261342003245941e-289;
+        const double mul_51 = ((x57) ? (
+       sig_26*x56
+    )
+    : (
+       0
+    ));
+        const double x58 = (1.0/(piv_50*piv_50));
+        const double p_211 = ((x57) ? (
+       -sig_26*x58
+    )
+    : (
+       0
+    ));
+        const double x59 = ((x57) ? (
+       x56
+    )
+    : (
+       0
+    ));
+        const double p_212 = x59;
+        const double d_213 = d_119*p_212 + d_87*p_211;
+        const double d_214 = d_120*p_212 + d_88*p_211;
+        const double d_215 = d_121*p_212 + d_89*p_211;
+        const double d_216 = d_122*p_212 + d_90*p_211;
+        const double schur_52 = c - mul_51*sig_17 + sig_27;
+        const double x60 = -sig_17;
+        const double p_217 = x60;
+        const double x61 = -mul_51;
+        const double p_218 = x61;
+        const double d_219 = d_127 + d_213*p_217 + d_95*p_218;
+        const double d_220 = d_128 + d_214*p_217 + d_96*p_218;
+        const double d_221 = d_129 + d_215*p_217 + d_97*p_218;
+        const double d_222 = d_130 + d_216*p_217 + d_98*p_218;
+        const double schur_53 = -mul_51*sig_18 + sig_28;
+        const double x62 = -sig_18;
+        const double p_223 = x62;
+        const double p_224 = x61;
+        const double d_225 = d_103*p_224 + d_135 + d_213*p_223;
+        const double d_226 = d_104*p_224 + d_136 + d_214*p_223;
+        const double d_227 = d_105*p_224 + d_137 + d_215*p_223;
+        const double d_228 = d_106*p_224 + d_138 + d_216*p_223;
+        const double schur_54 = -mul_51*sig_19 + sig_29;
+        const double x63 = -sig_19;
+        const double p_229 = x63;
+        const double p_230 = x61;
+        const double d_231 = d_111*p_230 + d_143 + d_213*p_229;
+        const double d_232 = d_112*p_230 + d_144 + d_214*p_229;
+        const double d_233 = d_113*p_230 + d_145 + d_215*p_229;
+        const double d_234 = d_114*p_230 + d_146 + d_216*p_229;
+        const double mul_55 = ((x57) ? (
+       sig_36*x56
+    )
+    : (
+       0
+    ));
+        const double p_235 = ((x57) ? (
+       -sig_36*x58
+    )
+    : (
+       0
+    ));
+        const double p_236 = x59;
+        const double d_237 = d_151*p_236 + d_87*p_235;
+        const double d_238 = d_152*p_236 + d_88*p_235;
+        const double d_239 = d_153*p_236 + d_89*p_235;
+        const double d_240 = d_154*p_236 + d_90*p_235;
+        const double schur_56 = -mul_55*sig_17 + sig_37;
+        const double p_241 = x60;
+        const double x64 = -mul_55;
+        const double p_242 = x64;
+        const double d_243 = d_159 + d_237*p_241 + d_95*p_242;
+        const double d_244 = d_160 + d_238*p_241 + d_96*p_242;
+        const double d_245 = d_161 + d_239*p_241 + d_97*p_242;
+        const double d_246 = d_162 + d_240*p_241 + d_98*p_242;
+        const double schur_57 = c - mul_55*sig_18 + sig_38;
+        const double p_247 = x62;
+        const double p_248 = x64;
+        const double d_249 = d_103*p_248 + d_167 + d_237*p_247;
+        const double d_250 = d_104*p_248 + d_168 + d_238*p_247;
+        const double d_251 = d_105*p_248 + d_169 + d_239*p_247;
+        const double d_252 = d_106*p_248 + d_170 + d_240*p_247;
+        const double schur_58 = -mul_55*sig_19 + sig_39;
+        const double p_253 = x63;
+        const double p_254 = x64;
+        const double d_255 = d_111*p_254 + d_175 + d_237*p_253;
+        const double d_256 = d_112*p_254 + d_176 + d_238*p_253;
+        const double d_257 = d_113*p_254 + d_177 + d_239*p_253;
+        const double d_258 = d_114*p_254 + d_178 + d_240*p_253;
+        const double mul_59 = ((x57) ? (
+       sig_46*x56
+    )
+    : (
+       0
+    ));
+        const double p_259 = ((x57) ? (
+       -sig_46*x58
+    )
+    : (
+       0
+    ));
+        const double p_260 = x59;
+        const double d_261 = d_183*p_260 + d_87*p_259;
+        const double d_262 = d_184*p_260 + d_88*p_259;
+        const double d_263 = d_185*p_260 + d_89*p_259;
+        const double d_264 = d_186*p_260 + d_90*p_259;
+        const double schur_60 = -mul_59*sig_17 + sig_47;
+        const double p_265 = x60;
+        const double x65 = -mul_59;
+        const double p_266 = x65;
+        const double d_267 = d_191 + d_261*p_265 + d_95*p_266;
+        const double d_268 = d_192 + d_262*p_265 + d_96*p_266;
+        const double d_269 = d_193 + d_263*p_265 + d_97*p_266;
+        const double d_270 = d_194 + d_264*p_265 + d_98*p_266;
+        const double schur_61 = -mul_59*sig_18 + sig_48;
+        const double p_271 = x62;
+        const double p_272 = x65;
+        const double d_273 = d_103*p_272 + d_199 + d_261*p_271;
+        const double d_274 = d_104*p_272 + d_200 + d_262*p_271;
+        const double d_275 = d_105*p_272 + d_201 + d_263*p_271;
+        const double d_276 = d_106*p_272 + d_202 + d_264*p_271;
+        const double schur_62 = c - mul_59*sig_19 + sig_49;
+        const double p_277 = x63;
+        const double p_278 = x65;
+        const double d_279 = d_111*p_278 + d_207 + d_261*p_277;
+        const double d_280 = d_112*p_278 + d_208 + d_262*p_277;
+        const double d_281 = d_113*p_278 + d_209 + d_263*p_277;
+        const double d_282 = d_114*p_278 + d_210 + d_264*p_277;
+        const double x66 = (1.0/(schur_52));
+        const double x67 = fabs(schur_52) > 1.0261342003245941e-289;
+        const double mul_63 = ((x67) ? (
+       schur_56*x66
+    )
+    : (
+       0
+    ));
+        const double x68 = (1.0/(schur_52*schur_52));
+        const double p_283 = ((x67) ? (
+       -schur_56*x68
+    )
+    : (
+       0
+    ));
+        const double x69 = ((x67) ? (
+       x66
+    )
+    : (
+       0
+    ));
+        const double p_284 = x69;
+        const double d_285 = d_219*p_283 + d_243*p_284;
+        const double d_286 = d_220*p_283 + d_244*p_284;
+        const double d_287 = d_221*p_283 + d_245*p_284;
+        const double d_288 = d_222*p_283 + d_246*p_284;
+        const double schur_64 = -mul_63*schur_53 + schur_57;
+        const double x70 = -schur_53;
+        const double p_289 = x70;
+        const double x71 = -mul_63;
+        const double p_290 = x71;
+        const double d_291 = d_225*p_290 + d_249 + d_285*p_289;
+        const double d_292 = d_226*p_290 + d_250 + d_286*p_289;
+        const double d_293 = d_227*p_290 + d_251 + d_287*p_289;
+        const double d_294 = d_228*p_290 + d_252 + d_288*p_289;
+        const double schur_65 = -mul_63*schur_54 + schur_58;
+        const double x72 = -schur_54;
+        const double p_295 = x72;
+        const double p_296 = x71;
+        const double d_297 = d_231*p_296 + d_255 + d_285*p_295;
+        const double d_298 = d_232*p_296 + d_256 + d_286*p_295;
+        const double d_299 = d_233*p_296 + d_257 + d_287*p_295;
+        const double d_300 = d_234*p_296 + d_258 + d_288*p_295;
+        const double mul_66 = ((x67) ? (
+       schur_60*x66
+    )
+    : (
+       0
+    ));
+        const double p_301 = ((x67) ? (
+       -schur_60*x68
+    )
+    : (
+       0
+    ));
+        const double p_302 = x69;
+        const double d_303 = d_219*p_301 + d_267*p_302;
+        const double d_304 = d_220*p_301 + d_268*p_302;
+        const double d_305 = d_221*p_301 + d_269*p_302;
+        const double d_306 = d_222*p_301 + d_270*p_302;
+        const double schur_67 = -mul_66*schur_53 + schur_61;
+        const double p_307 = x70;
+        const double x73 = -mul_66;
+        const double p_308 = x73;
+        const double d_309 = d_225*p_308 + d_273 + d_303*p_307;
+        const double d_310 = d_226*p_308 + d_274 + d_304*p_307;
+        const double d_311 = d_227*p_308 + d_275 + d_305*p_307;
+        const double d_312 = d_228*p_308 + d_276 + d_306*p_307;
+        const double schur_68 = -mul_66*schur_54 + schur_62;
+        const double p_313 = x72;
+        const double p_314 = x73;
+        const double d_315 = d_231*p_314 + d_279 + d_303*p_313;
+        const double d_316 = d_232*p_314 + d_280 + d_304*p_313;
+        const double d_317 = d_233*p_314 + d_281 + d_305*p_313;
+        const double d_318 = d_234*p_314 + d_282 + d_306*p_313;
+        const double x74 = (1.0/(schur_64));
+        const double x75 = fabs(schur_64) > 1.0261342003245941e-289;
+        const double mul_69 = ((x75) ? (
+       schur_67*x74
+    )
+    : (
+       0
+    ));
+        const double x76 = (1.0/(schur_64*schur_64));
+        const double p_319 = ((x75) ? (
+       -schur_67*x76
+    )
+    : (
+       0
+    ));
+        const double p_320 = ((x75) ? (
+       x74
+    )
+    : (
+       0
+    ));
+        const double d_321 = d_291*p_319 + d_309*p_320;
+        const double d_322 = d_292*p_319 + d_310*p_320;
+        const double d_323 = d_293*p_319 + d_311*p_320;
+        const double d_324 = d_294*p_319 + d_312*p_320;
+        const double schur_70 = -mul_69*schur_65 + schur_68;
+        const double p_325 = -schur_65;
+        const double x77 = -mul_69;
+        const double p_326 = x77;
+        const double d_327 = d_297*p_326 + d_315 + d_321*p_325;
+        const double d_328 = d_298*p_326 + d_316 + d_322*p_325;
+        const double d_329 = d_299*p_326 + d_317 + d_323*p_325;
+        const double d_330 = d_300*p_326 + d_318 + d_324*p_325;
+        const double x78 = schur_52*schur_64*schur_70;
+        const double x79 = piv_50*x78;
+        const double x80 = fabs(x79);
+        const double ldet_71 = log(x80);
+        const double x81 = (((x79) > 0) - ((x79) < 0))/x80;
+        const double p_331 = x78*x81;
+        const double x82 = piv_50*schur_70*x81;
+        const double p_332 = schur_64*x82;
+        const double p_333 = schur_52*x82;
+        const double p_334 = piv_50*schur_52*schur_64*x81;
+        const double d_335 = d_219*p_332 + d_291*p_333 + d_327*p_334 + d_87*p_331;
+        const double d_336 = d_220*p_332 + d_292*p_333 + d_328*p_334 + d_88*p_331;
+        const double d_337 = d_221*p_332 + d_293*p_333 + d_329*p_334 + d_89*p_331;
+        const double d_338 = d_222*p_332 + d_294*p_333 + d_330*p_334 + d_90*p_331;
+        const double fwd_72 = -mul_51*u_0_0 + u_1_0;
+        const double x83 = -u_0_0;
+        const double p_339 = x83;
+        const double d_340 = d_213*p_339;
+        const double d_341 = d_214*p_339;
+        const double d_342 = d_215*p_339;
+        const double d_343 = d_216*p_339;
+        const double fwd_73 = -fwd_72*mul_63 - mul_55*u_0_0 + u_2_0;
+        const double p_344 = x71;
+        const double p_345 = x83;
+        const double x84 = -fwd_72;
+        const double p_346 = x84;
+        const double d_347 = d_237*p_345 + d_285*p_346 + d_340*p_344;
+        const double d_348 = d_238*p_345 + d_286*p_346 + d_341*p_344;
+        const double d_349 = d_239*p_345 + d_287*p_346 + d_342*p_344;
+        const double d_350 = d_240*p_345 + d_288*p_346 + d_343*p_344;
+        const double fwd_74 = -fwd_72*mul_66 - fwd_73*mul_69 - mul_59*u_0_0 + u_3_0;
+        const double p_351 = x73;
+        const double p_352 = x77;
+        const double p_353 = x83;
+        const double p_354 = x84;
+        const double x85 = -fwd_73;
+        const double p_355 = x85;
+        const double d_356 = d_261*p_353 + d_303*p_354 + d_321*p_355 + d_340*p_351 + d_347*p_352;
+        const double d_357 = d_262*p_353 + d_304*p_354 + d_322*p_355 + d_341*p_351 + d_348*p_352;
+        const double d_358 = d_263*p_353 + d_305*p_354 + d_323*p_355 + d_342*p_351 + d_349*p_352;
+        const double d_359 = d_264*p_353 + d_306*p_354 + d_324*p_355 + d_343*p_351 + d_350*p_352;
+        const double x86 = (1.0/(schur_70));
+        const double bwd_75 = fwd_74*x86;
+        const double p_360 = x86;
+        const double p_361 = -bwd_75*x86;
+        const double d_362 = d_327*p_361 + d_356*p_360;
+        const double d_363 = d_328*p_361 + d_357*p_360;
+        const double d_364 = d_329*p_361 + d_358*p_360;
+        const double d_365 = d_330*p_361 + d_359*p_360;
+        const double x87 = bwd_75*schur_65 + x85;
+        const double bwd_76 = -x74*x87;
+        const double p_366 = -schur_65*x74;
+        const double p_367 = x74;
+        const double p_368 = x76*x87;
+        const double p_369 = -bwd_75*x74;
+        const double d_370 = d_291*p_368 + d_297*p_369 + d_347*p_367 + d_362*p_366;
+        const double d_371 = d_292*p_368 + d_298*p_369 + d_348*p_367 + d_363*p_366;
+        const double d_372 = d_293*p_368 + d_299*p_369 + d_349*p_367 + d_364*p_366;
+        const double d_373 = d_294*p_368 + d_300*p_369 + d_350*p_367 + d_365*p_366;
+        const double x88 = bwd_75*schur_54 + bwd_76*schur_53 + x84;
+        const double bwd_77 = -x66*x88;
+        const double p_374 = -schur_54*x66;
+        const double p_375 = -schur_53*x66;
+        const double p_376 = x66;
+        const double p_377 = x68*x88;
+        const double p_378 = -bwd_76*x66;
+        const double p_379 = -bwd_75*x66;
+        const double d_380 = d_219*p_377 + d_225*p_378 + d_231*p_379 + d_340*p_376 + d_362*p_374 + d_370*p_375;
+        const double d_381 = d_220*p_377 + d_226*p_378 + d_232*p_379 + d_341*p_376 + d_363*p_374 + d_371*p_375;
+        const double d_382 = d_221*p_377 + d_227*p_378 + d_233*p_379 + d_342*p_376 + d_364*p_374 + d_372*p_375;
+        const double d_383 = d_222*p_377 + d_228*p_378 + d_234*p_379 + d_343*p_376 + d_365*p_374 + d_373*p_375;
+        const double x89 = bwd_75*sig_19 + bwd_76*sig_18 + bwd_77*sig_17 + x83;
+        const double bwd_78 = -x56*x89;
+        const double p_384 = -sig_19*x56;
+        const double p_385 = -sig_18*x56;
+        const double p_386 = -sig_17*x56;
+        const double p_387 = x58*x89;
+        const double p_388 = -bwd_77*x56;
+        const double p_389 = -bwd_76*x56;
+        const double p_390 = -bwd_75*x56;
+        const double d_391 = d_103*p_389 + d_111*p_390 + d_362*p_384 + d_370*p_385 + d_380*p_386 + d_87*p_387 + d_95*p_388;
+        const double d_392 = d_104*p_389 + d_112*p_390 + d_363*p_384 + d_371*p_385 + d_381*p_386 + d_88*p_387 + d_96*p_388;
+        const double d_393 = d_105*p_389 + d_113*p_390 + d_364*p_384 + d_372*p_385 + d_382*p_386 + d_89*p_387 + d_97*p_388;
+        const double d_394 = d_106*p_389 + d_114*p_390 + d_365*p_384 + d_373*p_385 + d_383*p_386 + d_90*p_387 + d_98*p_388;
+        out[0] = bwd_78;
+        out[1] = bwd_77;
+        out[2] = bwd_76;
+        out[3] = bwd_75;
+        out[4] = ldet_71;
+        out[5] = d_391;
+        out[6] = d_392;
+        out[7] = d_393;
+        out[8] = d_394;
+        out[9] = d_380;
+        out[10] = d_381;
+        out[11] = d_382;
+        out[12] = d_383;
+        out[13] = d_370;
+        out[14] = d_371;
+        out[15] = d_372;
+        out[16] = d_373;
+        out[17] = d_362;
+        out[18] = d_363;
+        out[19] = d_364;
+        out[20] = d_365;
+        out[21] = d_335;
+        out[22] = d_336;
+        out[23] = d_337;
+        out[24] = d_338;
     }
     static void attention_tied_softmax_L3_T2_r1_reparam(const double *in, const double *par, double *out)
     {
@@ -1999,63 +2255,82 @@ cdef extern from *:
         const double x1 = (1.0/(D_6));
         const double ut_7 = -ell_4*x1;
         const double us_8 = ell_5*x1;
-        const double x2 = us_8 - ut_7;
-        const double res_9 = beta*(-ell_4 + ut_7*x2);
-        const double res_10 = beta*(-ell_5 - us_8*x2);
+        const double x2 = -ut_7;
+        const double x3 = us_8 + x2;
+        const double res_9 = beta*(-ell_4 + ut_7*x3);
+        const double res_10 = beta*(-ell_5 - us_8*x3);
         const double M_11 = (z_0_0*z_0_0);
         const double M_12 = z_0_0*z_0_1;
         const double M_13 = (z_0_1*z_0_1);
         const double m_14 = fmax(M_11, M_12);
-        const double x3 = -m_14;
-        const double e_15 = exp(beta*(M_11 + x3));
-        const double e_16 = exp(beta*(M_12 + x3));
+        const double x4 = -m_14;
+        const double e_15 = exp(beta*(M_11 + x4));
+        const double e_16 = exp(beta*(M_12 + x4));
         const double w_17 = (1.0/(e_15 + e_16));
         const double sig_18 = e_15*w_17;
         const double sig_19 = e_16*w_17;
         const double m_20 = fmax(M_12, M_13);
-        const double x4 = -m_20;
-        const double e_21 = exp(beta*(M_12 + x4));
-        const double e_22 = exp(beta*(M_13 + x4));
+        const double x5 = -m_20;
+        const double e_21 = exp(beta*(M_12 + x5));
+        const double e_22 = exp(beta*(M_13 + x5));
         const double w_23 = (1.0/(e_21 + e_22));
         const double sig_24 = e_21*w_23;
         const double sig_25 = e_22*w_23;
-        const double Phi_26 = c + sig_18;
-        const double Phi_27 = c + sig_25;
+        const double x6 = c + sig_18;
+        const double Phi_26 = x6;
+        const double x7 = c + sig_25;
+        const double Phi_27 = x7;
         const double u_28 = Phi_26*z_1_0 + sig_19*z_1_1;
         const double u_29 = Phi_27*z_1_1 + sig_24*z_1_0;
         const double M_30 = (u_28*u_28);
         const double M_31 = u_28*u_29;
         const double M_32 = (u_29*u_29);
         const double m_33 = fmax(M_30, M_31);
-        const double x5 = -m_33;
-        const double e_34 = exp(beta*(M_30 + x5));
-        const double e_35 = exp(beta*(M_31 + x5));
+        const double x8 = -m_33;
+        const double e_34 = exp(beta*(M_30 + x8));
+        const double e_35 = exp(beta*(M_31 + x8));
         const double w_36 = (1.0/(e_34 + e_35));
         const double sig_37 = e_34*w_36;
         const double sig_38 = e_35*w_36;
         const double m_39 = fmax(M_31, M_32);
-        const double x6 = -m_39;
-        const double e_40 = exp(beta*(M_31 + x6));
-        const double e_41 = exp(beta*(M_32 + x6));
+        const double x9 = -m_39;
+        const double e_40 = exp(beta*(M_31 + x9));
+        const double e_41 = exp(beta*(M_32 + x9));
         const double w_42 = (1.0/(e_40 + e_41));
         const double sig_43 = e_40*w_42;
         const double sig_44 = e_41*w_42;
-        const double x7 = c + sig_37;
-        const double Phi_45 = Phi_26*x7 + sig_24*sig_38;
-        const double Phi_46 = Phi_27*sig_38 + sig_19*x7;
-        const double x8 = c + sig_44;
-        const double Phi_47 = Phi_26*sig_43 + sig_24*x8;
-        const double Phi_48 = Phi_27*x8 + sig_19*sig_43;
-        const double det_49 = Phi_45*Phi_48 - Phi_46*Phi_47;
-        const double logdet_50 = log(fabs(det_49));
-        const double idet_51 = (1.0/(det_49));
-        const double h_52 = idet_51*(-Phi_46*us_8 + Phi_48*ut_7);
-        const double h_53 = idet_51*(Phi_45*us_8 - Phi_47*ut_7);
+        const double piv_45 = x6;
+        const double x10 = (1.0/(piv_45));
+        const double mul_46 = ((fabs(piv_45) > 1.0261342003245941e-289) ? (
+       sig_24*x10
+    )
+    : (
+       0
+    ));
+        const double schur_47 = -mul_46*sig_19 + x7;
+        const double ldet_48 = log(fabs(piv_45*schur_47));
+        const double piv_49 = c + sig_37;
+        const double x11 = (1.0/(piv_49));
+        const double mul_50 = ((fabs(piv_49) > 1.0261342003245941e-289) ? (
+       sig_43*x11
+    )
+    : (
+       0
+    ));
+        const double schur_51 = c - mul_50*sig_38 + sig_44;
+        const double ldet_52 = log(fabs(piv_49*schur_51));
+        const double logdet_53 = ldet_48 + ldet_52;
+        const double fwd_54 = -mul_50*ut_7 + us_8;
+        const double bwd_55 = fwd_54/schur_51;
+        const double bwd_56 = x11*(-bwd_55*sig_38 - x2);
+        const double fwd_57 = bwd_55 - bwd_56*mul_46;
+        const double bwd_58 = fwd_57/schur_47;
+        const double bwd_59 = x10*(bwd_56 - bwd_58*sig_19);
         out[0] = ut_7;
         out[1] = us_8;
-        out[2] = h_52;
-        out[3] = h_53;
-        out[4] = logdet_50;
+        out[2] = bwd_59;
+        out[3] = bwd_58;
+        out[4] = logdet_53;
         out[5] = res_9;
         out[6] = res_10;
     }
@@ -2086,41 +2361,59 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
+        const double x2 = c + sig_7;
+        const double Phi_15 = x2;
+        const double x3 = c + sig_14;
+        const double Phi_16 = x3;
         const double u_17 = Phi_15*z_1_0 + sig_8*z_1_1;
         const double u_18 = Phi_16*z_1_1 + sig_13*z_1_0;
         const double M_19 = (u_17*u_17);
         const double M_20 = u_17*u_18;
         const double M_21 = (u_18*u_18);
         const double m_22 = fmax(M_19, M_20);
-        const double x2 = -m_22;
-        const double e_23 = exp(beta*(M_19 + x2));
-        const double e_24 = exp(beta*(M_20 + x2));
+        const double x4 = -m_22;
+        const double e_23 = exp(beta*(M_19 + x4));
+        const double e_24 = exp(beta*(M_20 + x4));
         const double w_25 = (1.0/(e_23 + e_24));
         const double sig_26 = e_23*w_25;
         const double sig_27 = e_24*w_25;
         const double m_28 = fmax(M_20, M_21);
-        const double x3 = -m_28;
-        const double e_29 = exp(beta*(M_20 + x3));
-        const double e_30 = exp(beta*(M_21 + x3));
+        const double x5 = -m_28;
+        const double e_29 = exp(beta*(M_20 + x5));
+        const double e_30 = exp(beta*(M_21 + x5));
         const double w_31 = (1.0/(e_29 + e_30));
         const double sig_32 = e_29*w_31;
         const double sig_33 = e_30*w_31;
-        const double x4 = c + sig_26;
-        const double Phi_34 = Phi_15*x4 + sig_13*sig_27;
-        const double Phi_35 = Phi_16*sig_27 + sig_8*x4;
-        const double x5 = c + sig_33;
-        const double Phi_36 = Phi_15*sig_32 + sig_13*x5;
-        const double Phi_37 = Phi_16*x5 + sig_32*sig_8;
-        const double det_38 = Phi_34*Phi_37 - Phi_35*Phi_36;
-        const double logdet_39 = log(fabs(det_38));
-        const double idet_40 = (1.0/(det_38));
-        const double h_41 = idet_40*(-Phi_35*u_1_0 + Phi_37*u_0_0);
-        const double h_42 = idet_40*(Phi_34*u_1_0 - Phi_36*u_0_0);
-        out[0] = h_41;
-        out[1] = h_42;
-        out[2] = logdet_39;
+        const double piv_34 = x2;
+        const double x6 = (1.0/(piv_34));
+        const double mul_35 = ((fabs(piv_34) > 1.0261342003245941e-289) ? (
+       sig_13*x6
+    )
+    : (
+       0
+    ));
+        const double schur_36 = -mul_35*sig_8 + x3;
+        const double ldet_37 = log(fabs(piv_34*schur_36));
+        const double piv_38 = c + sig_26;
+        const double x7 = (1.0/(piv_38));
+        const double mul_39 = ((fabs(piv_38) > 1.0261342003245941e-289) ? (
+       sig_32*x7
+    )
+    : (
+       0
+    ));
+        const double schur_40 = c - mul_39*sig_27 + sig_33;
+        const double ldet_41 = log(fabs(piv_38*schur_40));
+        const double logdet_42 = ldet_37 + ldet_41;
+        const double fwd_43 = -mul_39*u_0_0 + u_1_0;
+        const double bwd_44 = fwd_43/schur_40;
+        const double bwd_45 = x7*(-bwd_44*sig_27 + u_0_0);
+        const double fwd_46 = bwd_44 - bwd_45*mul_35;
+        const double bwd_47 = fwd_46/schur_36;
+        const double bwd_48 = x6*(bwd_45 - bwd_47*sig_8);
+        out[0] = bwd_48;
+        out[1] = bwd_47;
+        out[2] = logdet_42;
     }
     static void attention_tied_softmax_L3_T2_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -2133,10 +2426,10 @@ cdef extern from *:
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
-        const double p_43 = 2*z_0_0;
+        const double p_49 = 2*z_0_0;
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double p_44 = 2*z_0_1;
+        const double p_50 = 2*z_0_1;
         const double m_3 = fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
@@ -2144,16 +2437,16 @@ cdef extern from *:
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double x1 = beta*e_4*e_5*(w_6*w_6);
-        const double p_45 = x1;
+        const double p_51 = x1;
         const double x2 = -x1;
-        const double p_46 = x2;
-        const double d_47 = p_43*p_45 + p_46*z_0_1;
-        const double d_48 = p_46*z_0_0;
+        const double p_52 = x2;
+        const double d_53 = p_49*p_51 + p_52*z_0_1;
+        const double d_54 = p_52*z_0_0;
         const double sig_8 = e_5*w_6;
-        const double p_49 = x2;
-        const double p_50 = x1;
-        const double d_51 = p_43*p_49 + p_50*z_0_1;
-        const double d_52 = p_50*z_0_0;
+        const double p_55 = x2;
+        const double p_56 = x1;
+        const double d_57 = p_49*p_55 + p_56*z_0_1;
+        const double d_58 = p_56*z_0_0;
         const double m_9 = fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
@@ -2161,164 +2454,233 @@ cdef extern from *:
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double x4 = beta*e_10*e_11*(w_12*w_12);
-        const double p_53 = x4;
+        const double p_59 = x4;
         const double x5 = -x4;
-        const double p_54 = x5;
-        const double d_55 = p_53*z_0_1;
-        const double d_56 = p_44*p_54 + p_53*z_0_0;
+        const double p_60 = x5;
+        const double d_61 = p_59*z_0_1;
+        const double d_62 = p_50*p_60 + p_59*z_0_0;
         const double sig_14 = e_11*w_12;
-        const double p_57 = x5;
-        const double p_58 = x4;
-        const double d_59 = p_57*z_0_1;
-        const double d_60 = p_44*p_58 + p_57*z_0_0;
-        const double Phi_15 = c + sig_7;
-        const double Phi_16 = c + sig_14;
+        const double p_63 = x5;
+        const double p_64 = x4;
+        const double d_65 = p_63*z_0_1;
+        const double d_66 = p_50*p_64 + p_63*z_0_0;
+        const double x6 = c + sig_7;
+        const double Phi_15 = x6;
+        const double x7 = c + sig_14;
+        const double Phi_16 = x7;
         const double u_17 = Phi_15*z_1_0 + sig_8*z_1_1;
-        const double d_61 = d_47*z_1_0 + d_51*z_1_1;
-        const double d_62 = d_48*z_1_0 + d_52*z_1_1;
+        const double d_67 = d_53*z_1_0 + d_57*z_1_1;
+        const double d_68 = d_54*z_1_0 + d_58*z_1_1;
         const double u_18 = Phi_16*z_1_1 + sig_13*z_1_0;
-        const double d_63 = d_55*z_1_0 + d_59*z_1_1;
-        const double d_64 = d_56*z_1_0 + d_60*z_1_1;
+        const double d_69 = d_61*z_1_0 + d_65*z_1_1;
+        const double d_70 = d_62*z_1_0 + d_66*z_1_1;
         const double M_19 = (u_17*u_17);
-        const double p_65 = 2*u_17;
-        const double d_66 = d_61*p_65;
-        const double d_67 = d_62*p_65;
-        const double d_68 = Phi_15*p_65;
-        const double d_69 = p_65*sig_8;
+        const double p_71 = 2*u_17;
+        const double d_72 = d_67*p_71;
+        const double d_73 = d_68*p_71;
+        const double d_74 = Phi_15*p_71;
+        const double d_75 = p_71*sig_8;
         const double M_20 = u_17*u_18;
-        const double d_70 = d_61*u_18 + d_63*u_17;
-        const double d_71 = d_62*u_18 + d_64*u_17;
-        const double d_72 = Phi_15*u_18 + sig_13*u_17;
-        const double d_73 = Phi_16*u_17 + sig_8*u_18;
+        const double d_76 = d_67*u_18 + d_69*u_17;
+        const double d_77 = d_68*u_18 + d_70*u_17;
+        const double d_78 = Phi_15*u_18 + sig_13*u_17;
+        const double d_79 = Phi_16*u_17 + sig_8*u_18;
         const double M_21 = (u_18*u_18);
-        const double p_74 = 2*u_18;
-        const double d_75 = d_63*p_74;
-        const double d_76 = d_64*p_74;
-        const double d_77 = p_74*sig_13;
-        const double d_78 = Phi_16*p_74;
+        const double p_80 = 2*u_18;
+        const double d_81 = d_69*p_80;
+        const double d_82 = d_70*p_80;
+        const double d_83 = p_80*sig_13;
+        const double d_84 = Phi_16*p_80;
         const double m_22 = fmax(M_19, M_20);
-        const double x6 = -m_22;
-        const double e_23 = exp(beta*(M_19 + x6));
-        const double e_24 = exp(beta*(M_20 + x6));
+        const double x8 = -m_22;
+        const double e_23 = exp(beta*(M_19 + x8));
+        const double e_24 = exp(beta*(M_20 + x8));
         const double w_25 = (1.0/(e_23 + e_24));
         const double sig_26 = e_23*w_25;
-        const double x7 = beta*e_23*e_24*(w_25*w_25);
-        const double p_79 = x7;
-        const double x8 = -x7;
-        const double p_80 = x8;
-        const double d_81 = d_66*p_79 + d_70*p_80;
-        const double d_82 = d_67*p_79 + d_71*p_80;
-        const double d_83 = d_68*p_79 + d_72*p_80;
-        const double d_84 = d_69*p_79 + d_73*p_80;
+        const double x9 = beta*e_23*e_24*(w_25*w_25);
+        const double p_85 = x9;
+        const double x10 = -x9;
+        const double p_86 = x10;
+        const double d_87 = d_72*p_85 + d_76*p_86;
+        const double d_88 = d_73*p_85 + d_77*p_86;
+        const double d_89 = d_74*p_85 + d_78*p_86;
+        const double d_90 = d_75*p_85 + d_79*p_86;
         const double sig_27 = e_24*w_25;
-        const double p_85 = x8;
-        const double p_86 = x7;
-        const double d_87 = d_66*p_85 + d_70*p_86;
-        const double d_88 = d_67*p_85 + d_71*p_86;
-        const double d_89 = d_68*p_85 + d_72*p_86;
-        const double d_90 = d_69*p_85 + d_73*p_86;
+        const double p_91 = x10;
+        const double p_92 = x9;
+        const double d_93 = d_72*p_91 + d_76*p_92;
+        const double d_94 = d_73*p_91 + d_77*p_92;
+        const double d_95 = d_74*p_91 + d_78*p_92;
+        const double d_96 = d_75*p_91 + d_79*p_92;
         const double m_28 = fmax(M_20, M_21);
-        const double x9 = -m_28;
-        const double e_29 = exp(beta*(M_20 + x9));
-        const double e_30 = exp(beta*(M_21 + x9));
+        const double x11 = -m_28;
+        const double e_29 = exp(beta*(M_20 + x11));
+        const double e_30 = exp(beta*(M_21 + x11));
         const double w_31 = (1.0/(e_29 + e_30));
         const double sig_32 = e_29*w_31;
-        const double x10 = beta*e_29*e_30*(w_31*w_31);
-        const double p_91 = x10;
-        const double x11 = -x10;
-        const double p_92 = x11;
-        const double d_93 = d_70*p_91 + d_75*p_92;
-        const double d_94 = d_71*p_91 + d_76*p_92;
-        const double d_95 = d_72*p_91 + d_77*p_92;
-        const double d_96 = d_73*p_91 + d_78*p_92;
+        const double x12 = beta*e_29*e_30*(w_31*w_31);
+        const double p_97 = x12;
+        const double x13 = -x12;
+        const double p_98 = x13;
+        const double d_99 = d_76*p_97 + d_81*p_98;
+        const double d_100 = d_77*p_97 + d_82*p_98;
+        const double d_101 = d_78*p_97 + d_83*p_98;
+        const double d_102 = d_79*p_97 + d_84*p_98;
         const double sig_33 = e_30*w_31;
-        const double p_97 = x11;
-        const double p_98 = x10;
-        const double d_99 = d_70*p_97 + d_75*p_98;
-        const double d_100 = d_71*p_97 + d_76*p_98;
-        const double d_101 = d_72*p_97 + d_77*p_98;
-        const double d_102 = d_73*p_97 + d_78*p_98;
-        const double x12 = c + sig_26;
-        const double Phi_34 = Phi_15*x12 + sig_13*sig_27;
-        const double p_103 = x12;
-        const double d_104 = Phi_15*d_81 + d_47*p_103 + d_55*sig_27 + d_87*sig_13;
-        const double d_105 = Phi_15*d_82 + d_48*p_103 + d_56*sig_27 + d_88*sig_13;
-        const double d_106 = Phi_15*d_83 + d_89*sig_13;
-        const double d_107 = Phi_15*d_84 + d_90*sig_13;
-        const double Phi_35 = Phi_16*sig_27 + sig_8*x12;
-        const double p_108 = x12;
-        const double d_109 = Phi_16*d_87 + d_51*p_108 + d_59*sig_27 + d_81*sig_8;
-        const double d_110 = Phi_16*d_88 + d_52*p_108 + d_60*sig_27 + d_82*sig_8;
-        const double d_111 = Phi_16*d_89 + d_83*sig_8;
-        const double d_112 = Phi_16*d_90 + d_84*sig_8;
-        const double x13 = c + sig_33;
-        const double Phi_36 = Phi_15*sig_32 + sig_13*x13;
-        const double p_113 = x13;
-        const double d_114 = Phi_15*d_93 + d_47*sig_32 + d_55*p_113 + d_99*sig_13;
-        const double d_115 = Phi_15*d_94 + d_100*sig_13 + d_48*sig_32 + d_56*p_113;
-        const double d_116 = Phi_15*d_95 + d_101*sig_13;
-        const double d_117 = Phi_15*d_96 + d_102*sig_13;
-        const double Phi_37 = Phi_16*x13 + sig_32*sig_8;
-        const double p_118 = x13;
-        const double d_119 = Phi_16*d_99 + d_51*sig_32 + d_59*p_118 + d_93*sig_8;
-        const double d_120 = Phi_16*d_100 + d_52*sig_32 + d_60*p_118 + d_94*sig_8;
-        const double d_121 = Phi_16*d_101 + d_95*sig_8;
-        const double d_122 = Phi_16*d_102 + d_96*sig_8;
-        const double det_38 = Phi_34*Phi_37 - Phi_35*Phi_36;
-        const double p_123 = -Phi_36;
-        const double p_124 = -Phi_35;
-        const double d_125 = Phi_34*d_119 + Phi_37*d_104 + d_109*p_123 + d_114*p_124;
-        const double d_126 = Phi_34*d_120 + Phi_37*d_105 + d_110*p_123 + d_115*p_124;
-        const double d_127 = Phi_34*d_121 + Phi_37*d_106 + d_111*p_123 + d_116*p_124;
-        const double d_128 = Phi_34*d_122 + Phi_37*d_107 + d_112*p_123 + d_117*p_124;
-        const double x14 = fabs(det_38);
-        const double logdet_39 = log(x14);
-        const double p_129 = (((det_38) > 0) - ((det_38) < 0))/x14;
-        const double d_130 = d_125*p_129;
-        const double d_131 = d_126*p_129;
-        const double d_132 = d_127*p_129;
-        const double d_133 = d_128*p_129;
-        const double idet_40 = (1.0/(det_38));
-        const double p_134 = -(idet_40*idet_40);
-        const double d_135 = d_125*p_134;
-        const double d_136 = d_126*p_134;
-        const double d_137 = d_127*p_134;
-        const double d_138 = d_128*p_134;
-        const double x15 = -Phi_35*u_1_0 + Phi_37*u_0_0;
-        const double h_41 = idet_40*x15;
-        const double x16 = idet_40*u_1_0;
-        const double p_139 = -x16;
-        const double x17 = idet_40*u_0_0;
-        const double p_140 = x17;
-        const double p_141 = x15;
-        const double d_142 = d_109*p_139 + d_119*p_140 + d_135*p_141;
-        const double d_143 = d_110*p_139 + d_120*p_140 + d_136*p_141;
-        const double d_144 = d_111*p_139 + d_121*p_140 + d_137*p_141;
-        const double d_145 = d_112*p_139 + d_122*p_140 + d_138*p_141;
-        const double x18 = Phi_34*u_1_0 - Phi_36*u_0_0;
-        const double h_42 = idet_40*x18;
-        const double p_146 = x16;
-        const double p_147 = -x17;
-        const double p_148 = x18;
-        const double d_149 = d_104*p_146 + d_114*p_147 + d_135*p_148;
-        const double d_150 = d_105*p_146 + d_115*p_147 + d_136*p_148;
-        const double d_151 = d_106*p_146 + d_116*p_147 + d_137*p_148;
-        const double d_152 = d_107*p_146 + d_117*p_147 + d_138*p_148;
-        out[0] = h_41;
-        out[1] = h_42;
-        out[2] = logdet_39;
-        out[3] = d_142;
-        out[4] = d_143;
-        out[5] = d_144;
-        out[6] = d_145;
-        out[7] = d_149;
-        out[8] = d_150;
-        out[9] = d_151;
-        out[10] = d_152;
-        out[11] = d_130;
-        out[12] = d_131;
-        out[13] = d_132;
-        out[14] = d_133;
+        const double p_103 = x13;
+        const double p_104 = x12;
+        const double d_105 = d_76*p_103 + d_81*p_104;
+        const double d_106 = d_77*p_103 + d_82*p_104;
+        const double d_107 = d_78*p_103 + d_83*p_104;
+        const double d_108 = d_79*p_103 + d_84*p_104;
+        const double piv_34 = x6;
+        const double x14 = (1.0/(piv_34));
+        const double x15 = fabs(piv_34) > 1.0261342003245941e-289;
+        const double mul_35 = ((x15) ? (
+       sig_13*x14
+    )
+    : (
+       0
+    ));
+        const double x16 = (1.0/(piv_34*piv_34));
+        const double p_109 = ((x15) ? (
+       -sig_13*x16
+    )
+    : (
+       0
+    ));
+        const double p_110 = ((x15) ? (
+       x14
+    )
+    : (
+       0
+    ));
+        const double d_111 = d_53*p_109 + d_61*p_110;
+        const double d_112 = d_54*p_109 + d_62*p_110;
+        const double schur_36 = -mul_35*sig_8 + x7;
+        const double p_113 = -sig_8;
+        const double x17 = -mul_35;
+        const double p_114 = x17;
+        const double d_115 = d_111*p_113 + d_57*p_114 + d_65;
+        const double d_116 = d_112*p_113 + d_58*p_114 + d_66;
+        const double x18 = piv_34*schur_36;
+        const double x19 = fabs(x18);
+        const double ldet_37 = log(x19);
+        const double x20 = (((x18) > 0) - ((x18) < 0))/x19;
+        const double p_117 = schur_36*x20;
+        const double p_118 = piv_34*x20;
+        const double d_119 = d_115*p_118 + d_53*p_117;
+        const double d_120 = d_116*p_118 + d_54*p_117;
+        const double piv_38 = c + sig_26;
+        const double x21 = (1.0/(piv_38));
+        const double x22 = fabs(piv_38) > 1.0261342003245941e-289;
+        const double mul_39 = ((x22) ? (
+       sig_32*x21
+    )
+    : (
+       0
+    ));
+        const double x23 = (1.0/(piv_38*piv_38));
+        const double p_121 = ((x22) ? (
+       -sig_32*x23
+    )
+    : (
+       0
+    ));
+        const double p_122 = ((x22) ? (
+       x21
+    )
+    : (
+       0
+    ));
+        const double d_123 = d_87*p_121 + d_99*p_122;
+        const double d_124 = d_100*p_122 + d_88*p_121;
+        const double d_125 = d_101*p_122 + d_89*p_121;
+        const double d_126 = d_102*p_122 + d_90*p_121;
+        const double schur_40 = c - mul_39*sig_27 + sig_33;
+        const double p_127 = -sig_27;
+        const double p_128 = -mul_39;
+        const double d_129 = d_105 + d_123*p_127 + d_93*p_128;
+        const double d_130 = d_106 + d_124*p_127 + d_94*p_128;
+        const double d_131 = d_107 + d_125*p_127 + d_95*p_128;
+        const double d_132 = d_108 + d_126*p_127 + d_96*p_128;
+        const double x24 = piv_38*schur_40;
+        const double x25 = fabs(x24);
+        const double ldet_41 = log(x25);
+        const double x26 = (((x24) > 0) - ((x24) < 0))/x25;
+        const double p_133 = schur_40*x26;
+        const double p_134 = piv_38*x26;
+        const double d_135 = d_129*p_134 + d_87*p_133;
+        const double d_136 = d_130*p_134 + d_88*p_133;
+        const double d_137 = d_131*p_134 + d_89*p_133;
+        const double d_138 = d_132*p_134 + d_90*p_133;
+        const double logdet_42 = ldet_37 + ldet_41;
+        const double d_139 = d_119 + d_135;
+        const double d_140 = d_120 + d_136;
+        const double fwd_43 = -mul_39*u_0_0 + u_1_0;
+        const double x27 = -u_0_0;
+        const double p_141 = x27;
+        const double d_142 = d_123*p_141;
+        const double d_143 = d_124*p_141;
+        const double d_144 = d_125*p_141;
+        const double d_145 = d_126*p_141;
+        const double x28 = (1.0/(schur_40));
+        const double bwd_44 = fwd_43*x28;
+        const double p_146 = x28;
+        const double p_147 = -bwd_44*x28;
+        const double d_148 = d_129*p_147 + d_142*p_146;
+        const double d_149 = d_130*p_147 + d_143*p_146;
+        const double d_150 = d_131*p_147 + d_144*p_146;
+        const double d_151 = d_132*p_147 + d_145*p_146;
+        const double x29 = bwd_44*sig_27 + x27;
+        const double bwd_45 = -x21*x29;
+        const double p_152 = -sig_27*x21;
+        const double p_153 = x23*x29;
+        const double p_154 = -bwd_44*x21;
+        const double d_155 = d_148*p_152 + d_87*p_153 + d_93*p_154;
+        const double d_156 = d_149*p_152 + d_88*p_153 + d_94*p_154;
+        const double d_157 = d_150*p_152 + d_89*p_153 + d_95*p_154;
+        const double d_158 = d_151*p_152 + d_90*p_153 + d_96*p_154;
+        const double fwd_46 = bwd_44 - bwd_45*mul_35;
+        const double p_159 = x17;
+        const double p_160 = -bwd_45;
+        const double d_161 = d_111*p_160 + d_148 + d_155*p_159;
+        const double d_162 = d_112*p_160 + d_149 + d_156*p_159;
+        const double d_163 = d_150 + d_157*p_159;
+        const double d_164 = d_151 + d_158*p_159;
+        const double x30 = (1.0/(schur_36));
+        const double bwd_47 = fwd_46*x30;
+        const double p_165 = x30;
+        const double p_166 = -bwd_47*x30;
+        const double d_167 = d_115*p_166 + d_161*p_165;
+        const double d_168 = d_116*p_166 + d_162*p_165;
+        const double d_169 = d_163*p_165;
+        const double d_170 = d_164*p_165;
+        const double x31 = bwd_45 - bwd_47*sig_8;
+        const double bwd_48 = x14*x31;
+        const double p_171 = x14;
+        const double p_172 = -sig_8*x14;
+        const double p_173 = -x16*x31;
+        const double p_174 = -bwd_47*x14;
+        const double d_175 = d_155*p_171 + d_167*p_172 + d_53*p_173 + d_57*p_174;
+        const double d_176 = d_156*p_171 + d_168*p_172 + d_54*p_173 + d_58*p_174;
+        const double d_177 = d_157*p_171 + d_169*p_172;
+        const double d_178 = d_158*p_171 + d_170*p_172;
+        out[0] = bwd_48;
+        out[1] = bwd_47;
+        out[2] = logdet_42;
+        out[3] = d_175;
+        out[4] = d_176;
+        out[5] = d_177;
+        out[6] = d_178;
+        out[7] = d_167;
+        out[8] = d_168;
+        out[9] = d_169;
+        out[10] = d_170;
+        out[11] = d_139;
+        out[12] = d_140;
+        out[13] = d_137;
+        out[14] = d_138;
     }
     static void attention_tied_softmax_L3_T3_r1_reparam(const double *in, const double *par, double *out)
     {
@@ -2412,16 +2774,17 @@ cdef extern from *:
     : (
        us_27
     )));
-        const double x16 = u_30 - u_31;
-        const double res_33 = beta*(-ell_9 - u_30*x16);
-        const double x17 = -u_32;
-        const double x18 = u_30 + x17;
-        const double res_34 = beta*(-ell_10 - u_30*x18);
-        const double res_35 = beta*(-ell_11 + u_31*x16);
-        const double x19 = u_31 + x17;
-        const double res_36 = beta*(-ell_12 - u_31*x19);
-        const double res_37 = beta*(-ell_13 + u_32*x18);
-        const double res_38 = beta*(-ell_14 + u_32*x19);
+        const double x16 = -u_31;
+        const double x17 = u_30 + x16;
+        const double res_33 = beta*(-ell_9 - u_30*x17);
+        const double x18 = -u_32;
+        const double x19 = u_30 + x18;
+        const double res_34 = beta*(-ell_10 - u_30*x19);
+        const double res_35 = beta*(-ell_11 + u_31*x17);
+        const double x20 = u_31 + x18;
+        const double res_36 = beta*(-ell_12 - u_31*x20);
+        const double res_37 = beta*(-ell_13 + u_32*x19);
+        const double res_38 = beta*(-ell_14 + u_32*x20);
         const double M_39 = (z_0_0*z_0_0);
         const double M_40 = z_0_0*z_0_1;
         const double M_41 = z_0_0*z_0_2;
@@ -2429,35 +2792,38 @@ cdef extern from *:
         const double M_43 = z_0_1*z_0_2;
         const double M_44 = (z_0_2*z_0_2);
         const double m_45 = fmax(M_39, fmax(M_40, M_41));
-        const double x20 = -m_45;
-        const double e_46 = exp(beta*(M_39 + x20));
-        const double e_47 = exp(beta*(M_40 + x20));
-        const double e_48 = exp(beta*(M_41 + x20));
+        const double x21 = -m_45;
+        const double e_46 = exp(beta*(M_39 + x21));
+        const double e_47 = exp(beta*(M_40 + x21));
+        const double e_48 = exp(beta*(M_41 + x21));
         const double w_49 = (1.0/(e_46 + e_47 + e_48));
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
         const double m_53 = fmax(M_40, fmax(M_42, M_43));
-        const double x21 = -m_53;
-        const double e_54 = exp(beta*(M_40 + x21));
-        const double e_55 = exp(beta*(M_42 + x21));
-        const double e_56 = exp(beta*(M_43 + x21));
+        const double x22 = -m_53;
+        const double e_54 = exp(beta*(M_40 + x22));
+        const double e_55 = exp(beta*(M_42 + x22));
+        const double e_56 = exp(beta*(M_43 + x22));
         const double w_57 = (1.0/(e_54 + e_55 + e_56));
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
         const double m_61 = fmax(M_41, fmax(M_43, M_44));
-        const double x22 = -m_61;
-        const double e_62 = exp(beta*(M_41 + x22));
-        const double e_63 = exp(beta*(M_43 + x22));
-        const double e_64 = exp(beta*(M_44 + x22));
+        const double x23 = -m_61;
+        const double e_62 = exp(beta*(M_41 + x23));
+        const double e_63 = exp(beta*(M_43 + x23));
+        const double e_64 = exp(beta*(M_44 + x23));
         const double w_65 = (1.0/(e_62 + e_63 + e_64));
         const double sig_66 = e_62*w_65;
         const double sig_67 = e_63*w_65;
         const double sig_68 = e_64*w_65;
-        const double Phi_69 = c + sig_50;
-        const double Phi_70 = c + sig_59;
-        const double Phi_71 = c + sig_68;
+        const double x24 = c + sig_50;
+        const double Phi_69 = x24;
+        const double x25 = c + sig_59;
+        const double Phi_70 = x25;
+        const double x26 = c + sig_68;
+        const double Phi_71 = x26;
         const double u_72 = Phi_69*z_1_0 + sig_51*z_1_1 + sig_52*z_1_2;
         const double u_73 = Phi_70*z_1_1 + sig_58*z_1_0 + sig_60*z_1_2;
         const double u_74 = Phi_71*z_1_2 + sig_66*z_1_0 + sig_67*z_1_1;
@@ -2468,62 +2834,106 @@ cdef extern from *:
         const double M_79 = u_73*u_74;
         const double M_80 = (u_74*u_74);
         const double m_81 = fmax(M_75, fmax(M_76, M_77));
-        const double x23 = -m_81;
-        const double e_82 = exp(beta*(M_75 + x23));
-        const double e_83 = exp(beta*(M_76 + x23));
-        const double e_84 = exp(beta*(M_77 + x23));
+        const double x27 = -m_81;
+        const double e_82 = exp(beta*(M_75 + x27));
+        const double e_83 = exp(beta*(M_76 + x27));
+        const double e_84 = exp(beta*(M_77 + x27));
         const double w_85 = (1.0/(e_82 + e_83 + e_84));
         const double sig_86 = e_82*w_85;
         const double sig_87 = e_83*w_85;
         const double sig_88 = e_84*w_85;
         const double m_89 = fmax(M_76, fmax(M_78, M_79));
-        const double x24 = -m_89;
-        const double e_90 = exp(beta*(M_76 + x24));
-        const double e_91 = exp(beta*(M_78 + x24));
-        const double e_92 = exp(beta*(M_79 + x24));
+        const double x28 = -m_89;
+        const double e_90 = exp(beta*(M_76 + x28));
+        const double e_91 = exp(beta*(M_78 + x28));
+        const double e_92 = exp(beta*(M_79 + x28));
         const double w_93 = (1.0/(e_90 + e_91 + e_92));
         const double sig_94 = e_90*w_93;
         const double sig_95 = e_91*w_93;
         const double sig_96 = e_92*w_93;
         const double m_97 = fmax(M_77, fmax(M_79, M_80));
-        const double x25 = -m_97;
-        const double e_98 = exp(beta*(M_77 + x25));
-        const double e_99 = exp(beta*(M_79 + x25));
-        const double e_100 = exp(beta*(M_80 + x25));
+        const double x29 = -m_97;
+        const double e_98 = exp(beta*(M_77 + x29));
+        const double e_99 = exp(beta*(M_79 + x29));
+        const double e_100 = exp(beta*(M_80 + x29));
         const double w_101 = (1.0/(e_100 + e_98 + e_99));
         const double sig_102 = e_98*w_101;
         const double sig_103 = e_99*w_101;
         const double sig_104 = e_100*w_101;
-        const double x26 = c + sig_86;
-        const double Phi_105 = Phi_69*x26 + sig_58*sig_87 + sig_66*sig_88;
-        const double Phi_106 = Phi_70*sig_87 + sig_51*x26 + sig_67*sig_88;
-        const double Phi_107 = Phi_71*sig_88 + sig_52*x26 + sig_60*sig_87;
-        const double x27 = c + sig_95;
-        const double Phi_108 = Phi_69*sig_94 + sig_58*x27 + sig_66*sig_96;
-        const double Phi_109 = Phi_70*x27 + sig_51*sig_94 + sig_67*sig_96;
-        const double Phi_110 = Phi_71*sig_96 + sig_52*sig_94 + sig_60*x27;
-        const double x28 = c + sig_104;
-        const double Phi_111 = Phi_69*sig_102 + sig_103*sig_58 + sig_66*x28;
-        const double Phi_112 = Phi_70*sig_103 + sig_102*sig_51 + sig_67*x28;
-        const double Phi_113 = Phi_71*x28 + sig_102*sig_52 + sig_103*sig_60;
-        const double x29 = Phi_109*Phi_113;
-        const double x30 = Phi_106*Phi_110;
-        const double x31 = Phi_110*Phi_112;
-        const double x32 = Phi_106*Phi_113;
-        const double x33 = Phi_107*Phi_109;
-        const double det_114 = Phi_105*x29 - Phi_105*x31 + Phi_107*Phi_108*Phi_112 - Phi_108*x32 + Phi_111*x30 - Phi_111*x33;
-        const double logdet_115 = log(fabs(det_114));
-        const double idet_116 = (1.0/(det_114));
-        const double h_117 = idet_116*(u_30*(x29 - x31) + u_31*(Phi_107*Phi_112 - x32) + u_32*(x30 - x33));
-        const double h_118 = idet_116*(u_30*(-Phi_108*Phi_113 + Phi_110*Phi_111) + u_31*(Phi_105*Phi_113 - Phi_107*Phi_111) + u_32*(-Phi_105*Phi_110 + Phi_107*Phi_108));
-        const double h_119 = idet_116*(u_30*(Phi_108*Phi_112 - Phi_109*Phi_111) + u_31*(-Phi_105*Phi_112 + Phi_106*Phi_111) + u_32*(Phi_105*Phi_109 - Phi_106*Phi_108));
+        const double piv_105 = x24;
+        const double x30 = (1.0/(piv_105));
+        const double x31 = fabs(piv_105) > 1.0261342003245941e-289;
+        const double mul_106 = ((x31) ? (
+       sig_58*x30
+    )
+    : (
+       0
+    ));
+        const double schur_107 = -mul_106*sig_51 + x25;
+        const double schur_108 = -mul_106*sig_52 + sig_60;
+        const double mul_109 = ((x31) ? (
+       sig_66*x30
+    )
+    : (
+       0
+    ));
+        const double schur_110 = -mul_109*sig_51 + sig_67;
+        const double schur_111 = -mul_109*sig_52 + x26;
+        const double x32 = (1.0/(schur_107));
+        const double mul_112 = ((fabs(schur_107) > 1.0261342003245941e-289) ? (
+       schur_110*x32
+    )
+    : (
+       0
+    ));
+        const double schur_113 = -mul_112*schur_108 + schur_111;
+        const double ldet_114 = log(fabs(piv_105*schur_107*schur_113));
+        const double piv_115 = c + sig_86;
+        const double x33 = (1.0/(piv_115));
+        const double x34 = fabs(piv_115) > 1.0261342003245941e-289;
+        const double mul_116 = ((x34) ? (
+       sig_94*x33
+    )
+    : (
+       0
+    ));
+        const double schur_117 = c - mul_116*sig_87 + sig_95;
+        const double schur_118 = -mul_116*sig_88 + sig_96;
+        const double mul_119 = ((x34) ? (
+       sig_102*x33
+    )
+    : (
+       0
+    ));
+        const double schur_120 = -mul_119*sig_87 + sig_103;
+        const double schur_121 = c - mul_119*sig_88 + sig_104;
+        const double x35 = (1.0/(schur_117));
+        const double mul_122 = ((fabs(schur_117) > 1.0261342003245941e-289) ? (
+       schur_120*x35
+    )
+    : (
+       0
+    ));
+        const double schur_123 = -mul_122*schur_118 + schur_121;
+        const double ldet_124 = log(fabs(piv_115*schur_117*schur_123));
+        const double logdet_125 = ldet_114 + ldet_124;
+        const double fwd_126 = -mul_116*u_30 - x16;
+        const double fwd_127 = -fwd_126*mul_122 - mul_119*u_30 - x18;
+        const double bwd_128 = fwd_127/schur_123;
+        const double bwd_129 = x35*(-bwd_128*schur_118 + fwd_126);
+        const double bwd_130 = x33*(-bwd_128*sig_88 - bwd_129*sig_87 + u_30);
+        const double fwd_131 = bwd_129 - bwd_130*mul_106;
+        const double fwd_132 = bwd_128 - bwd_130*mul_109 - fwd_131*mul_112;
+        const double bwd_133 = fwd_132/schur_113;
+        const double bwd_134 = x32*(-bwd_133*schur_108 + fwd_131);
+        const double bwd_135 = x30*(bwd_130 - bwd_133*sig_52 - bwd_134*sig_51);
         out[0] = u_30;
         out[1] = u_31;
         out[2] = u_32;
-        out[3] = h_117;
-        out[4] = h_118;
-        out[5] = h_119;
-        out[6] = logdet_115;
+        out[3] = bwd_135;
+        out[4] = bwd_134;
+        out[5] = bwd_133;
+        out[6] = logdet_125;
         out[7] = res_33;
         out[8] = res_34;
         out[9] = res_35;
@@ -2577,9 +2987,12 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
+        const double x3 = c + sig_11;
+        const double Phi_30 = x3;
+        const double x4 = c + sig_20;
+        const double Phi_31 = x4;
+        const double x5 = c + sig_29;
+        const double Phi_32 = x5;
         const double u_33 = Phi_30*z_1_0 + sig_12*z_1_1 + sig_13*z_1_2;
         const double u_34 = Phi_31*z_1_1 + sig_19*z_1_0 + sig_21*z_1_2;
         const double u_35 = Phi_32*z_1_2 + sig_27*z_1_0 + sig_28*z_1_1;
@@ -2590,59 +3003,103 @@ cdef extern from *:
         const double M_40 = u_34*u_35;
         const double M_41 = (u_35*u_35);
         const double m_42 = fmax(M_36, fmax(M_37, M_38));
-        const double x3 = -m_42;
-        const double e_43 = exp(beta*(M_36 + x3));
-        const double e_44 = exp(beta*(M_37 + x3));
-        const double e_45 = exp(beta*(M_38 + x3));
+        const double x6 = -m_42;
+        const double e_43 = exp(beta*(M_36 + x6));
+        const double e_44 = exp(beta*(M_37 + x6));
+        const double e_45 = exp(beta*(M_38 + x6));
         const double w_46 = (1.0/(e_43 + e_44 + e_45));
         const double sig_47 = e_43*w_46;
         const double sig_48 = e_44*w_46;
         const double sig_49 = e_45*w_46;
         const double m_50 = fmax(M_37, fmax(M_39, M_40));
-        const double x4 = -m_50;
-        const double e_51 = exp(beta*(M_37 + x4));
-        const double e_52 = exp(beta*(M_39 + x4));
-        const double e_53 = exp(beta*(M_40 + x4));
+        const double x7 = -m_50;
+        const double e_51 = exp(beta*(M_37 + x7));
+        const double e_52 = exp(beta*(M_39 + x7));
+        const double e_53 = exp(beta*(M_40 + x7));
         const double w_54 = (1.0/(e_51 + e_52 + e_53));
         const double sig_55 = e_51*w_54;
         const double sig_56 = e_52*w_54;
         const double sig_57 = e_53*w_54;
         const double m_58 = fmax(M_38, fmax(M_40, M_41));
-        const double x5 = -m_58;
-        const double e_59 = exp(beta*(M_38 + x5));
-        const double e_60 = exp(beta*(M_40 + x5));
-        const double e_61 = exp(beta*(M_41 + x5));
+        const double x8 = -m_58;
+        const double e_59 = exp(beta*(M_38 + x8));
+        const double e_60 = exp(beta*(M_40 + x8));
+        const double e_61 = exp(beta*(M_41 + x8));
         const double w_62 = (1.0/(e_59 + e_60 + e_61));
         const double sig_63 = e_59*w_62;
         const double sig_64 = e_60*w_62;
         const double sig_65 = e_61*w_62;
-        const double x6 = c + sig_47;
-        const double Phi_66 = Phi_30*x6 + sig_19*sig_48 + sig_27*sig_49;
-        const double Phi_67 = Phi_31*sig_48 + sig_12*x6 + sig_28*sig_49;
-        const double Phi_68 = Phi_32*sig_49 + sig_13*x6 + sig_21*sig_48;
-        const double x7 = c + sig_56;
-        const double Phi_69 = Phi_30*sig_55 + sig_19*x7 + sig_27*sig_57;
-        const double Phi_70 = Phi_31*x7 + sig_12*sig_55 + sig_28*sig_57;
-        const double Phi_71 = Phi_32*sig_57 + sig_13*sig_55 + sig_21*x7;
-        const double x8 = c + sig_65;
-        const double Phi_72 = Phi_30*sig_63 + sig_19*sig_64 + sig_27*x8;
-        const double Phi_73 = Phi_31*sig_64 + sig_12*sig_63 + sig_28*x8;
-        const double Phi_74 = Phi_32*x8 + sig_13*sig_63 + sig_21*sig_64;
-        const double x9 = Phi_70*Phi_74;
-        const double x10 = Phi_67*Phi_71;
-        const double x11 = Phi_71*Phi_73;
-        const double x12 = Phi_67*Phi_74;
-        const double x13 = Phi_68*Phi_70;
-        const double det_75 = -Phi_66*x11 + Phi_66*x9 + Phi_68*Phi_69*Phi_73 - Phi_69*x12 + Phi_72*x10 - Phi_72*x13;
-        const double logdet_76 = log(fabs(det_75));
-        const double idet_77 = (1.0/(det_75));
-        const double h_78 = idet_77*(u_0_0*(-x11 + x9) + u_1_0*(Phi_68*Phi_73 - x12) + u_2_0*(x10 - x13));
-        const double h_79 = idet_77*(u_0_0*(-Phi_69*Phi_74 + Phi_71*Phi_72) + u_1_0*(Phi_66*Phi_74 - Phi_68*Phi_72) + u_2_0*(-Phi_66*Phi_71 + Phi_68*Phi_69));
-        const double h_80 = idet_77*(u_0_0*(Phi_69*Phi_73 - Phi_70*Phi_72) + u_1_0*(-Phi_66*Phi_73 + Phi_67*Phi_72) + u_2_0*(Phi_66*Phi_70 - Phi_67*Phi_69));
-        out[0] = h_78;
-        out[1] = h_79;
-        out[2] = h_80;
-        out[3] = logdet_76;
+        const double piv_66 = x3;
+        const double x9 = (1.0/(piv_66));
+        const double x10 = fabs(piv_66) > 1.0261342003245941e-289;
+        const double mul_67 = ((x10) ? (
+       sig_19*x9
+    )
+    : (
+       0
+    ));
+        const double schur_68 = -mul_67*sig_12 + x4;
+        const double schur_69 = -mul_67*sig_13 + sig_21;
+        const double mul_70 = ((x10) ? (
+       sig_27*x9
+    )
+    : (
+       0
+    ));
+        const double schur_71 = -mul_70*sig_12 + sig_28;
+        const double schur_72 = -mul_70*sig_13 + x5;
+        const double x11 = (1.0/(schur_68));
+        const double mul_73 = ((fabs(schur_68) > 1.0261342003245941e-289) ? (
+       schur_71*x11
+    )
+    : (
+       0
+    ));
+        const double schur_74 = -mul_73*schur_69 + schur_72;
+        const double ldet_75 = log(fabs(piv_66*schur_68*schur_74));
+        const double piv_76 = c + sig_47;
+        const double x12 = (1.0/(piv_76));
+        const double x13 = fabs(piv_76) > 1.0261342003245941e-289;
+        const double mul_77 = ((x13) ? (
+       sig_55*x12
+    )
+    : (
+       0
+    ));
+        const double schur_78 = c - mul_77*sig_48 + sig_56;
+        const double schur_79 = -mul_77*sig_49 + sig_57;
+        const double mul_80 = ((x13) ? (
+       sig_63*x12
+    )
+    : (
+       0
+    ));
+        const double schur_81 = -mul_80*sig_48 + sig_64;
+        const double schur_82 = c - mul_80*sig_49 + sig_65;
+        const double x14 = (1.0/(schur_78));
+        const double mul_83 = ((fabs(schur_78) > 1.0261342003245941e-289) ? (
+       schur_81*x14
+    )
+    : (
+       0
+    ));
+        const double schur_84 = -mul_83*schur_79 + schur_82;
+        const double ldet_85 = log(fabs(piv_76*schur_78*schur_84));
+        const double logdet_86 = ldet_75 + ldet_85;
+        const double fwd_87 = -mul_77*u_0_0 + u_1_0;
+        const double fwd_88 = -fwd_87*mul_83 - mul_80*u_0_0 + u_2_0;
+        const double bwd_89 = fwd_88/schur_84;
+        const double bwd_90 = x14*(-bwd_89*schur_79 + fwd_87);
+        const double bwd_91 = x12*(-bwd_89*sig_49 - bwd_90*sig_48 + u_0_0);
+        const double fwd_92 = bwd_90 - bwd_91*mul_67;
+        const double fwd_93 = bwd_89 - bwd_91*mul_70 - fwd_92*mul_73;
+        const double bwd_94 = fwd_93/schur_74;
+        const double bwd_95 = x11*(-bwd_94*schur_69 + fwd_92);
+        const double bwd_96 = x9*(bwd_91 - bwd_94*sig_13 - bwd_95*sig_12);
+        out[0] = bwd_96;
+        out[1] = bwd_95;
+        out[2] = bwd_94;
+        out[3] = logdet_86;
     }
     static void attention_tied_softmax_L3_T3_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -2658,14 +3115,14 @@ cdef extern from *:
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
-        const double p_81 = 2*z_0_0;
+        const double p_97 = 2*z_0_0;
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = z_0_0*z_0_2;
         const double M_3 = (z_0_1*z_0_1);
-        const double p_82 = 2*z_0_1;
+        const double p_98 = 2*z_0_1;
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double p_83 = 2*z_0_2;
+        const double p_99 = 2*z_0_2;
         const double m_6 = fmax(M_0, fmax(M_1, M_2));
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
@@ -2676,30 +3133,30 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double x2 = beta*(w_10*w_10);
         const double x3 = e_7*x2;
-        const double p_84 = x1*x3;
+        const double p_100 = x1*x3;
         const double x4 = -e_8*x3;
-        const double p_85 = x4;
+        const double p_101 = x4;
         const double x5 = -e_9*x3;
-        const double p_86 = x5;
-        const double d_87 = p_81*p_84 + p_85*z_0_1 + p_86*z_0_2;
-        const double d_88 = p_85*z_0_0;
-        const double d_89 = p_86*z_0_0;
+        const double p_102 = x5;
+        const double d_103 = p_100*p_97 + p_101*z_0_1 + p_102*z_0_2;
+        const double d_104 = p_101*z_0_0;
+        const double d_105 = p_102*z_0_0;
         const double sig_12 = e_8*w_10;
-        const double p_90 = x4;
+        const double p_106 = x4;
         const double x6 = e_8*x2;
-        const double p_91 = x6*(e_7 + e_9);
+        const double p_107 = x6*(e_7 + e_9);
         const double x7 = -e_9*x6;
-        const double p_92 = x7;
-        const double d_93 = p_81*p_90 + p_91*z_0_1 + p_92*z_0_2;
-        const double d_94 = p_91*z_0_0;
-        const double d_95 = p_92*z_0_0;
+        const double p_108 = x7;
+        const double d_109 = p_106*p_97 + p_107*z_0_1 + p_108*z_0_2;
+        const double d_110 = p_107*z_0_0;
+        const double d_111 = p_108*z_0_0;
         const double sig_13 = e_9*w_10;
-        const double p_96 = x5;
-        const double p_97 = x7;
-        const double p_98 = e_9*x2*(e_7 + e_8);
-        const double d_99 = p_81*p_96 + p_97*z_0_1 + p_98*z_0_2;
-        const double d_100 = p_97*z_0_0;
-        const double d_101 = p_98*z_0_0;
+        const double p_112 = x5;
+        const double p_113 = x7;
+        const double p_114 = e_9*x2*(e_7 + e_8);
+        const double d_115 = p_112*p_97 + p_113*z_0_1 + p_114*z_0_2;
+        const double d_116 = p_113*z_0_0;
+        const double d_117 = p_114*z_0_0;
         const double m_14 = fmax(M_1, fmax(M_3, M_4));
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
@@ -2710,30 +3167,30 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double x10 = beta*(w_18*w_18);
         const double x11 = e_15*x10;
-        const double p_102 = x11*x9;
+        const double p_118 = x11*x9;
         const double x12 = -e_16*x11;
-        const double p_103 = x12;
+        const double p_119 = x12;
         const double x13 = -e_17*x11;
-        const double p_104 = x13;
-        const double d_105 = p_102*z_0_1;
-        const double d_106 = p_102*z_0_0 + p_103*p_82 + p_104*z_0_2;
-        const double d_107 = p_104*z_0_1;
+        const double p_120 = x13;
+        const double d_121 = p_118*z_0_1;
+        const double d_122 = p_118*z_0_0 + p_119*p_98 + p_120*z_0_2;
+        const double d_123 = p_120*z_0_1;
         const double sig_20 = e_16*w_18;
-        const double p_108 = x12;
+        const double p_124 = x12;
         const double x14 = e_16*x10;
-        const double p_109 = x14*(e_15 + e_17);
+        const double p_125 = x14*(e_15 + e_17);
         const double x15 = -e_17*x14;
-        const double p_110 = x15;
-        const double d_111 = p_108*z_0_1;
-        const double d_112 = p_108*z_0_0 + p_109*p_82 + p_110*z_0_2;
-        const double d_113 = p_110*z_0_1;
+        const double p_126 = x15;
+        const double d_127 = p_124*z_0_1;
+        const double d_128 = p_124*z_0_0 + p_125*p_98 + p_126*z_0_2;
+        const double d_129 = p_126*z_0_1;
         const double sig_21 = e_17*w_18;
-        const double p_114 = x13;
-        const double p_115 = x15;
-        const double p_116 = e_17*x10*(e_15 + e_16);
-        const double d_117 = p_114*z_0_1;
-        const double d_118 = p_114*z_0_0 + p_115*p_82 + p_116*z_0_2;
-        const double d_119 = p_116*z_0_1;
+        const double p_130 = x13;
+        const double p_131 = x15;
+        const double p_132 = e_17*x10*(e_15 + e_16);
+        const double d_133 = p_130*z_0_1;
+        const double d_134 = p_130*z_0_0 + p_131*p_98 + p_132*z_0_2;
+        const double d_135 = p_132*z_0_1;
         const double m_22 = fmax(M_2, fmax(M_4, M_5));
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
@@ -2744,423 +3201,620 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double x18 = beta*(w_26*w_26);
         const double x19 = e_23*x18;
-        const double p_120 = x17*x19;
+        const double p_136 = x17*x19;
         const double x20 = -e_24*x19;
-        const double p_121 = x20;
+        const double p_137 = x20;
         const double x21 = -e_25*x19;
-        const double p_122 = x21;
-        const double d_123 = p_120*z_0_2;
-        const double d_124 = p_121*z_0_2;
-        const double d_125 = p_120*z_0_0 + p_121*z_0_1 + p_122*p_83;
+        const double p_138 = x21;
+        const double d_139 = p_136*z_0_2;
+        const double d_140 = p_137*z_0_2;
+        const double d_141 = p_136*z_0_0 + p_137*z_0_1 + p_138*p_99;
         const double sig_28 = e_24*w_26;
-        const double p_126 = x20;
+        const double p_142 = x20;
         const double x22 = e_24*x18;
-        const double p_127 = x22*(e_23 + e_25);
+        const double p_143 = x22*(e_23 + e_25);
         const double x23 = -e_25*x22;
-        const double p_128 = x23;
-        const double d_129 = p_126*z_0_2;
-        const double d_130 = p_127*z_0_2;
-        const double d_131 = p_126*z_0_0 + p_127*z_0_1 + p_128*p_83;
+        const double p_144 = x23;
+        const double d_145 = p_142*z_0_2;
+        const double d_146 = p_143*z_0_2;
+        const double d_147 = p_142*z_0_0 + p_143*z_0_1 + p_144*p_99;
         const double sig_29 = e_25*w_26;
-        const double p_132 = x21;
-        const double p_133 = x23;
-        const double p_134 = e_25*x18*(e_23 + e_24);
-        const double d_135 = p_132*z_0_2;
-        const double d_136 = p_133*z_0_2;
-        const double d_137 = p_132*z_0_0 + p_133*z_0_1 + p_134*p_83;
-        const double Phi_30 = c + sig_11;
-        const double Phi_31 = c + sig_20;
-        const double Phi_32 = c + sig_29;
+        const double p_148 = x21;
+        const double p_149 = x23;
+        const double p_150 = e_25*x18*(e_23 + e_24);
+        const double d_151 = p_148*z_0_2;
+        const double d_152 = p_149*z_0_2;
+        const double d_153 = p_148*z_0_0 + p_149*z_0_1 + p_150*p_99;
+        const double x24 = c + sig_11;
+        const double Phi_30 = x24;
+        const double x25 = c + sig_20;
+        const double Phi_31 = x25;
+        const double x26 = c + sig_29;
+        const double Phi_32 = x26;
         const double u_33 = Phi_30*z_1_0 + sig_12*z_1_1 + sig_13*z_1_2;
-        const double d_138 = d_87*z_1_0 + d_93*z_1_1 + d_99*z_1_2;
-        const double d_139 = d_100*z_1_2 + d_88*z_1_0 + d_94*z_1_1;
-        const double d_140 = d_101*z_1_2 + d_89*z_1_0 + d_95*z_1_1;
+        const double d_154 = d_103*z_1_0 + d_109*z_1_1 + d_115*z_1_2;
+        const double d_155 = d_104*z_1_0 + d_110*z_1_1 + d_116*z_1_2;
+        const double d_156 = d_105*z_1_0 + d_111*z_1_1 + d_117*z_1_2;
         const double u_34 = Phi_31*z_1_1 + sig_19*z_1_0 + sig_21*z_1_2;
-        const double d_141 = d_105*z_1_0 + d_111*z_1_1 + d_117*z_1_2;
-        const double d_142 = d_106*z_1_0 + d_112*z_1_1 + d_118*z_1_2;
-        const double d_143 = d_107*z_1_0 + d_113*z_1_1 + d_119*z_1_2;
+        const double d_157 = d_121*z_1_0 + d_127*z_1_1 + d_133*z_1_2;
+        const double d_158 = d_122*z_1_0 + d_128*z_1_1 + d_134*z_1_2;
+        const double d_159 = d_123*z_1_0 + d_129*z_1_1 + d_135*z_1_2;
         const double u_35 = Phi_32*z_1_2 + sig_27*z_1_0 + sig_28*z_1_1;
-        const double d_144 = d_123*z_1_0 + d_129*z_1_1 + d_135*z_1_2;
-        const double d_145 = d_124*z_1_0 + d_130*z_1_1 + d_136*z_1_2;
-        const double d_146 = d_125*z_1_0 + d_131*z_1_1 + d_137*z_1_2;
+        const double d_160 = d_139*z_1_0 + d_145*z_1_1 + d_151*z_1_2;
+        const double d_161 = d_140*z_1_0 + d_146*z_1_1 + d_152*z_1_2;
+        const double d_162 = d_141*z_1_0 + d_147*z_1_1 + d_153*z_1_2;
         const double M_36 = (u_33*u_33);
-        const double p_147 = 2*u_33;
-        const double d_148 = d_138*p_147;
-        const double d_149 = d_139*p_147;
-        const double d_150 = d_140*p_147;
-        const double d_151 = Phi_30*p_147;
-        const double d_152 = p_147*sig_12;
-        const double d_153 = p_147*sig_13;
+        const double p_163 = 2*u_33;
+        const double d_164 = d_154*p_163;
+        const double d_165 = d_155*p_163;
+        const double d_166 = d_156*p_163;
+        const double d_167 = Phi_30*p_163;
+        const double d_168 = p_163*sig_12;
+        const double d_169 = p_163*sig_13;
         const double M_37 = u_33*u_34;
-        const double d_154 = d_138*u_34 + d_141*u_33;
-        const double d_155 = d_139*u_34 + d_142*u_33;
-        const double d_156 = d_140*u_34 + d_143*u_33;
-        const double d_157 = Phi_30*u_34 + sig_19*u_33;
-        const double d_158 = Phi_31*u_33 + sig_12*u_34;
-        const double d_159 = sig_13*u_34 + sig_21*u_33;
+        const double d_170 = d_154*u_34 + d_157*u_33;
+        const double d_171 = d_155*u_34 + d_158*u_33;
+        const double d_172 = d_156*u_34 + d_159*u_33;
+        const double d_173 = Phi_30*u_34 + sig_19*u_33;
+        const double d_174 = Phi_31*u_33 + sig_12*u_34;
+        const double d_175 = sig_13*u_34 + sig_21*u_33;
         const double M_38 = u_33*u_35;
-        const double d_160 = d_138*u_35 + d_144*u_33;
-        const double d_161 = d_139*u_35 + d_145*u_33;
-        const double d_162 = d_140*u_35 + d_146*u_33;
-        const double d_163 = Phi_30*u_35 + sig_27*u_33;
-        const double d_164 = sig_12*u_35 + sig_28*u_33;
-        const double d_165 = Phi_32*u_33 + sig_13*u_35;
+        const double d_176 = d_154*u_35 + d_160*u_33;
+        const double d_177 = d_155*u_35 + d_161*u_33;
+        const double d_178 = d_156*u_35 + d_162*u_33;
+        const double d_179 = Phi_30*u_35 + sig_27*u_33;
+        const double d_180 = sig_12*u_35 + sig_28*u_33;
+        const double d_181 = Phi_32*u_33 + sig_13*u_35;
         const double M_39 = (u_34*u_34);
-        const double p_166 = 2*u_34;
-        const double d_167 = d_141*p_166;
-        const double d_168 = d_142*p_166;
-        const double d_169 = d_143*p_166;
-        const double d_170 = p_166*sig_19;
-        const double d_171 = Phi_31*p_166;
-        const double d_172 = p_166*sig_21;
+        const double p_182 = 2*u_34;
+        const double d_183 = d_157*p_182;
+        const double d_184 = d_158*p_182;
+        const double d_185 = d_159*p_182;
+        const double d_186 = p_182*sig_19;
+        const double d_187 = Phi_31*p_182;
+        const double d_188 = p_182*sig_21;
         const double M_40 = u_34*u_35;
-        const double d_173 = d_141*u_35 + d_144*u_34;
-        const double d_174 = d_142*u_35 + d_145*u_34;
-        const double d_175 = d_143*u_35 + d_146*u_34;
-        const double d_176 = sig_19*u_35 + sig_27*u_34;
-        const double d_177 = Phi_31*u_35 + sig_28*u_34;
-        const double d_178 = Phi_32*u_34 + sig_21*u_35;
+        const double d_189 = d_157*u_35 + d_160*u_34;
+        const double d_190 = d_158*u_35 + d_161*u_34;
+        const double d_191 = d_159*u_35 + d_162*u_34;
+        const double d_192 = sig_19*u_35 + sig_27*u_34;
+        const double d_193 = Phi_31*u_35 + sig_28*u_34;
+        const double d_194 = Phi_32*u_34 + sig_21*u_35;
         const double M_41 = (u_35*u_35);
-        const double p_179 = 2*u_35;
-        const double d_180 = d_144*p_179;
-        const double d_181 = d_145*p_179;
-        const double d_182 = d_146*p_179;
-        const double d_183 = p_179*sig_27;
-        const double d_184 = p_179*sig_28;
-        const double d_185 = Phi_32*p_179;
+        const double p_195 = 2*u_35;
+        const double d_196 = d_160*p_195;
+        const double d_197 = d_161*p_195;
+        const double d_198 = d_162*p_195;
+        const double d_199 = p_195*sig_27;
+        const double d_200 = p_195*sig_28;
+        const double d_201 = Phi_32*p_195;
         const double m_42 = fmax(M_36, fmax(M_37, M_38));
-        const double x24 = -m_42;
-        const double e_43 = exp(beta*(M_36 + x24));
-        const double e_44 = exp(beta*(M_37 + x24));
-        const double e_45 = exp(beta*(M_38 + x24));
-        const double x25 = e_44 + e_45;
-        const double w_46 = (1.0/(e_43 + x25));
+        const double x27 = -m_42;
+        const double e_43 = exp(beta*(M_36 + x27));
+        const double e_44 = exp(beta*(M_37 + x27));
+        const double e_45 = exp(beta*(M_38 + x27));
+        const double x28 = e_44 + e_45;
+        const double w_46 = (1.0/(e_43 + x28));
         const double sig_47 = e_43*w_46;
-        const double x26 = beta*(w_46*w_46);
-        const double x27 = e_43*x26;
-        const double p_186 = x25*x27;
-        const double x28 = -e_44*x27;
-        const double p_187 = x28;
-        const double x29 = -e_45*x27;
-        const double p_188 = x29;
-        const double d_189 = d_148*p_186 + d_154*p_187 + d_160*p_188;
-        const double d_190 = d_149*p_186 + d_155*p_187 + d_161*p_188;
-        const double d_191 = d_150*p_186 + d_156*p_187 + d_162*p_188;
-        const double d_192 = d_151*p_186 + d_157*p_187 + d_163*p_188;
-        const double d_193 = d_152*p_186 + d_158*p_187 + d_164*p_188;
-        const double d_194 = d_153*p_186 + d_159*p_187 + d_165*p_188;
+        const double x29 = beta*(w_46*w_46);
+        const double x30 = e_43*x29;
+        const double p_202 = x28*x30;
+        const double x31 = -e_44*x30;
+        const double p_203 = x31;
+        const double x32 = -e_45*x30;
+        const double p_204 = x32;
+        const double d_205 = d_164*p_202 + d_170*p_203 + d_176*p_204;
+        const double d_206 = d_165*p_202 + d_171*p_203 + d_177*p_204;
+        const double d_207 = d_166*p_202 + d_172*p_203 + d_178*p_204;
+        const double d_208 = d_167*p_202 + d_173*p_203 + d_179*p_204;
+        const double d_209 = d_168*p_202 + d_174*p_203 + d_180*p_204;
+        const double d_210 = d_169*p_202 + d_175*p_203 + d_181*p_204;
         const double sig_48 = e_44*w_46;
-        const double p_195 = x28;
-        const double x30 = e_44*x26;
-        const double p_196 = x30*(e_43 + e_45);
-        const double x31 = -e_45*x30;
-        const double p_197 = x31;
-        const double d_198 = d_148*p_195 + d_154*p_196 + d_160*p_197;
-        const double d_199 = d_149*p_195 + d_155*p_196 + d_161*p_197;
-        const double d_200 = d_150*p_195 + d_156*p_196 + d_162*p_197;
-        const double d_201 = d_151*p_195 + d_157*p_196 + d_163*p_197;
-        const double d_202 = d_152*p_195 + d_158*p_196 + d_164*p_197;
-        const double d_203 = d_153*p_195 + d_159*p_196 + d_165*p_197;
+        const double p_211 = x31;
+        const double x33 = e_44*x29;
+        const double p_212 = x33*(e_43 + e_45);
+        const double x34 = -e_45*x33;
+        const double p_213 = x34;
+        const double d_214 = d_164*p_211 + d_170*p_212 + d_176*p_213;
+        const double d_215 = d_165*p_211 + d_171*p_212 + d_177*p_213;
+        const double d_216 = d_166*p_211 + d_172*p_212 + d_178*p_213;
+        const double d_217 = d_167*p_211 + d_173*p_212 + d_179*p_213;
+        const double d_218 = d_168*p_211 + d_174*p_212 + d_180*p_213;
+        const double d_219 = d_169*p_211 + d_175*p_212 + d_181*p_213;
         const double sig_49 = e_45*w_46;
-        const double p_204 = x29;
-        const double p_205 = x31;
-        const double p_206 = e_45*x26*(e_43 + e_44);
-        const double d_207 = d_148*p_204 + d_154*p_205 + d_160*p_206;
-        const double d_208 = d_149*p_204 + d_155*p_205 + d_161*p_206;
-        const double d_209 = d_150*p_204 + d_156*p_205 + d_162*p_206;
-        const double d_210 = d_151*p_204 + d_157*p_205 + d_163*p_206;
-        const double d_211 = d_152*p_204 + d_158*p_205 + d_164*p_206;
-        const double d_212 = d_153*p_204 + d_159*p_205 + d_165*p_206;
+        const double p_220 = x32;
+        const double p_221 = x34;
+        const double p_222 = e_45*x29*(e_43 + e_44);
+        const double d_223 = d_164*p_220 + d_170*p_221 + d_176*p_222;
+        const double d_224 = d_165*p_220 + d_171*p_221 + d_177*p_222;
+        const double d_225 = d_166*p_220 + d_172*p_221 + d_178*p_222;
+        const double d_226 = d_167*p_220 + d_173*p_221 + d_179*p_222;
+        const double d_227 = d_168*p_220 + d_174*p_221 + d_180*p_222;
+        const double d_228 = d_169*p_220 + d_175*p_221 + d_181*p_222;
         const double m_50 = fmax(M_37, fmax(M_39, M_40));
-        const double x32 = -m_50;
-        const double e_51 = exp(beta*(M_37 + x32));
-        const double e_52 = exp(beta*(M_39 + x32));
-        const double e_53 = exp(beta*(M_40 + x32));
-        const double x33 = e_52 + e_53;
-        const double w_54 = (1.0/(e_51 + x33));
+        const double x35 = -m_50;
+        const double e_51 = exp(beta*(M_37 + x35));
+        const double e_52 = exp(beta*(M_39 + x35));
+        const double e_53 = exp(beta*(M_40 + x35));
+        const double x36 = e_52 + e_53;
+        const double w_54 = (1.0/(e_51 + x36));
         const double sig_55 = e_51*w_54;
-        const double x34 = beta*(w_54*w_54);
-        const double x35 = e_51*x34;
-        const double p_213 = x33*x35;
-        const double x36 = -e_52*x35;
-        const double p_214 = x36;
-        const double x37 = -e_53*x35;
-        const double p_215 = x37;
-        const double d_216 = d_154*p_213 + d_167*p_214 + d_173*p_215;
-        const double d_217 = d_155*p_213 + d_168*p_214 + d_174*p_215;
-        const double d_218 = d_156*p_213 + d_169*p_214 + d_175*p_215;
-        const double d_219 = d_157*p_213 + d_170*p_214 + d_176*p_215;
-        const double d_220 = d_158*p_213 + d_171*p_214 + d_177*p_215;
-        const double d_221 = d_159*p_213 + d_172*p_214 + d_178*p_215;
+        const double x37 = beta*(w_54*w_54);
+        const double x38 = e_51*x37;
+        const double p_229 = x36*x38;
+        const double x39 = -e_52*x38;
+        const double p_230 = x39;
+        const double x40 = -e_53*x38;
+        const double p_231 = x40;
+        const double d_232 = d_170*p_229 + d_183*p_230 + d_189*p_231;
+        const double d_233 = d_171*p_229 + d_184*p_230 + d_190*p_231;
+        const double d_234 = d_172*p_229 + d_185*p_230 + d_191*p_231;
+        const double d_235 = d_173*p_229 + d_186*p_230 + d_192*p_231;
+        const double d_236 = d_174*p_229 + d_187*p_230 + d_193*p_231;
+        const double d_237 = d_175*p_229 + d_188*p_230 + d_194*p_231;
         const double sig_56 = e_52*w_54;
-        const double p_222 = x36;
-        const double x38 = e_52*x34;
-        const double p_223 = x38*(e_51 + e_53);
-        const double x39 = -e_53*x38;
-        const double p_224 = x39;
-        const double d_225 = d_154*p_222 + d_167*p_223 + d_173*p_224;
-        const double d_226 = d_155*p_222 + d_168*p_223 + d_174*p_224;
-        const double d_227 = d_156*p_222 + d_169*p_223 + d_175*p_224;
-        const double d_228 = d_157*p_222 + d_170*p_223 + d_176*p_224;
-        const double d_229 = d_158*p_222 + d_171*p_223 + d_177*p_224;
-        const double d_230 = d_159*p_222 + d_172*p_223 + d_178*p_224;
+        const double p_238 = x39;
+        const double x41 = e_52*x37;
+        const double p_239 = x41*(e_51 + e_53);
+        const double x42 = -e_53*x41;
+        const double p_240 = x42;
+        const double d_241 = d_170*p_238 + d_183*p_239 + d_189*p_240;
+        const double d_242 = d_171*p_238 + d_184*p_239 + d_190*p_240;
+        const double d_243 = d_172*p_238 + d_185*p_239 + d_191*p_240;
+        const double d_244 = d_173*p_238 + d_186*p_239 + d_192*p_240;
+        const double d_245 = d_174*p_238 + d_187*p_239 + d_193*p_240;
+        const double d_246 = d_175*p_238 + d_188*p_239 + d_194*p_240;
         const double sig_57 = e_53*w_54;
-        const double p_231 = x37;
-        const double p_232 = x39;
-        const double p_233 = e_53*x34*(e_51 + e_52);
-        const double d_234 = d_154*p_231 + d_167*p_232 + d_173*p_233;
-        const double d_235 = d_155*p_231 + d_168*p_232 + d_174*p_233;
-        const double d_236 = d_156*p_231 + d_169*p_232 + d_175*p_233;
-        const double d_237 = d_157*p_231 + d_170*p_232 + d_176*p_233;
-        const double d_238 = d_158*p_231 + d_171*p_232 + d_177*p_233;
-        const double d_239 = d_159*p_231 + d_172*p_232 + d_178*p_233;
+        const double p_247 = x40;
+        const double p_248 = x42;
+        const double p_249 = e_53*x37*(e_51 + e_52);
+        const double d_250 = d_170*p_247 + d_183*p_248 + d_189*p_249;
+        const double d_251 = d_171*p_247 + d_184*p_248 + d_190*p_249;
+        const double d_252 = d_172*p_247 + d_185*p_248 + d_191*p_249;
+        const double d_253 = d_173*p_247 + d_186*p_248 + d_192*p_249;
+        const double d_254 = d_174*p_247 + d_187*p_248 + d_193*p_249;
+        const double d_255 = d_175*p_247 + d_188*p_248 + d_194*p_249;
         const double m_58 = fmax(M_38, fmax(M_40, M_41));
-        const double x40 = -m_58;
-        const double e_59 = exp(beta*(M_38 + x40));
-        const double e_60 = exp(beta*(M_40 + x40));
-        const double e_61 = exp(beta*(M_41 + x40));
-        const double x41 = e_60 + e_61;
-        const double w_62 = (1.0/(e_59 + x41));
+        const double x43 = -m_58;
+        const double e_59 = exp(beta*(M_38 + x43));
+        const double e_60 = exp(beta*(M_40 + x43));
+        const double e_61 = exp(beta*(M_41 + x43));
+        const double x44 = e_60 + e_61;
+        const double w_62 = (1.0/(e_59 + x44));
         const double sig_63 = e_59*w_62;
-        const double x42 = beta*(w_62*w_62);
-        const double x43 = e_59*x42;
-        const double p_240 = x41*x43;
-        const double x44 = -e_60*x43;
-        const double p_241 = x44;
-        const double x45 = -e_61*x43;
-        const double p_242 = x45;
-        const double d_243 = d_160*p_240 + d_173*p_241 + d_180*p_242;
-        const double d_244 = d_161*p_240 + d_174*p_241 + d_181*p_242;
-        const double d_245 = d_162*p_240 + d_175*p_241 + d_182*p_242;
-        const double d_246 = d_163*p_240 + d_176*p_241 + d_183*p_242;
-        const double d_247 = d_164*p_240 + d_177*p_241 + d_184*p_242;
-        const double d_248 = d_165*p_240 + d_178*p_241 + d_185*p_242;
+        const double x45 = beta*(w_62*w_62);
+        const double x46 = e_59*x45;
+        const double p_256 = x44*x46;
+        const double x47 = -e_60*x46;
+        const double p_257 = x47;
+        const double x48 = -e_61*x46;
+        const double p_258 = x48;
+        const double d_259 = d_176*p_256 + d_189*p_257 + d_196*p_258;
+        const double d_260 = d_177*p_256 + d_190*p_257 + d_197*p_258;
+        const double d_261 = d_178*p_256 + d_191*p_257 + d_198*p_258;
+        const double d_262 = d_179*p_256 + d_192*p_257 + d_199*p_258;
+        const double d_263 = d_180*p_256 + d_193*p_257 + d_200*p_258;
+        const double d_264 = d_181*p_256 + d_194*p_257 + d_201*p_258;
         const double sig_64 = e_60*w_62;
-        const double p_249 = x44;
-        const double x46 = e_60*x42;
-        const double p_250 = x46*(e_59 + e_61);
-        const double x47 = -e_61*x46;
-        const double p_251 = x47;
-        const double d_252 = d_160*p_249 + d_173*p_250 + d_180*p_251;
-        const double d_253 = d_161*p_249 + d_174*p_250 + d_181*p_251;
-        const double d_254 = d_162*p_249 + d_175*p_250 + d_182*p_251;
-        const double d_255 = d_163*p_249 + d_176*p_250 + d_183*p_251;
-        const double d_256 = d_164*p_249 + d_177*p_250 + d_184*p_251;
-        const double d_257 = d_165*p_249 + d_178*p_250 + d_185*p_251;
+        const double p_265 = x47;
+        const double x49 = e_60*x45;
+        const double p_266 = x49*(e_59 + e_61);
+        const double x50 = -e_61*x49;
+        const double p_267 = x50;
+        const double d_268 = d_176*p_265 + d_189*p_266 + d_196*p_267;
+        const double d_269 = d_177*p_265 + d_190*p_266 + d_197*p_267;
+        const double d_270 = d_178*p_265 + d_191*p_266 + d_198*p_267;
+        const double d_271 = d_179*p_265 + d_192*p_266 + d_199*p_267;
+        const double d_272 = d_180*p_265 + d_193*p_266 + d_200*p_267;
+        const double d_273 = d_181*p_265 + d_194*p_266 + d_201*p_267;
         const double sig_65 = e_61*w_62;
-        const double p_258 = x45;
-        const double p_259 = x47;
-        const double p_260 = e_61*x42*(e_59 + e_60);
-        const double d_261 = d_160*p_258 + d_173*p_259 + d_180*p_260;
-        const double d_262 = d_161*p_258 + d_174*p_259 + d_181*p_260;
-        const double d_263 = d_162*p_258 + d_175*p_259 + d_182*p_260;
-        const double d_264 = d_163*p_258 + d_176*p_259 + d_183*p_260;
-        const double d_265 = d_164*p_258 + d_177*p_259 + d_184*p_260;
-        const double d_266 = d_165*p_258 + d_178*p_259 + d_185*p_260;
-        const double x48 = c + sig_47;
-        const double Phi_66 = Phi_30*x48 + sig_19*sig_48 + sig_27*sig_49;
-        const double p_267 = x48;
-        const double d_268 = Phi_30*d_189 + d_105*sig_48 + d_123*sig_49 + d_198*sig_19 + d_207*sig_27 + d_87*p_267;
-        const double d_269 = Phi_30*d_190 + d_106*sig_48 + d_124*sig_49 + d_199*sig_19 + d_208*sig_27 + d_88*p_267;
-        const double d_270 = Phi_30*d_191 + d_107*sig_48 + d_125*sig_49 + d_200*sig_19 + d_209*sig_27 + d_89*p_267;
-        const double d_271 = Phi_30*d_192 + d_201*sig_19 + d_210*sig_27;
-        const double d_272 = Phi_30*d_193 + d_202*sig_19 + d_211*sig_27;
-        const double d_273 = Phi_30*d_194 + d_203*sig_19 + d_212*sig_27;
-        const double Phi_67 = Phi_31*sig_48 + sig_12*x48 + sig_28*sig_49;
         const double p_274 = x48;
-        const double d_275 = Phi_31*d_198 + d_111*sig_48 + d_129*sig_49 + d_189*sig_12 + d_207*sig_28 + d_93*p_274;
-        const double d_276 = Phi_31*d_199 + d_112*sig_48 + d_130*sig_49 + d_190*sig_12 + d_208*sig_28 + d_94*p_274;
-        const double d_277 = Phi_31*d_200 + d_113*sig_48 + d_131*sig_49 + d_191*sig_12 + d_209*sig_28 + d_95*p_274;
-        const double d_278 = Phi_31*d_201 + d_192*sig_12 + d_210*sig_28;
-        const double d_279 = Phi_31*d_202 + d_193*sig_12 + d_211*sig_28;
-        const double d_280 = Phi_31*d_203 + d_194*sig_12 + d_212*sig_28;
-        const double Phi_68 = Phi_32*sig_49 + sig_13*x48 + sig_21*sig_48;
-        const double p_281 = x48;
-        const double d_282 = Phi_32*d_207 + d_117*sig_48 + d_135*sig_49 + d_189*sig_13 + d_198*sig_21 + d_99*p_281;
-        const double d_283 = Phi_32*d_208 + d_100*p_281 + d_118*sig_48 + d_136*sig_49 + d_190*sig_13 + d_199*sig_21;
-        const double d_284 = Phi_32*d_209 + d_101*p_281 + d_119*sig_48 + d_137*sig_49 + d_191*sig_13 + d_200*sig_21;
-        const double d_285 = Phi_32*d_210 + d_192*sig_13 + d_201*sig_21;
-        const double d_286 = Phi_32*d_211 + d_193*sig_13 + d_202*sig_21;
-        const double d_287 = Phi_32*d_212 + d_194*sig_13 + d_203*sig_21;
-        const double x49 = c + sig_56;
-        const double Phi_69 = Phi_30*sig_55 + sig_19*x49 + sig_27*sig_57;
-        const double p_288 = x49;
-        const double d_289 = Phi_30*d_216 + d_105*p_288 + d_123*sig_57 + d_225*sig_19 + d_234*sig_27 + d_87*sig_55;
-        const double d_290 = Phi_30*d_217 + d_106*p_288 + d_124*sig_57 + d_226*sig_19 + d_235*sig_27 + d_88*sig_55;
-        const double d_291 = Phi_30*d_218 + d_107*p_288 + d_125*sig_57 + d_227*sig_19 + d_236*sig_27 + d_89*sig_55;
-        const double d_292 = Phi_30*d_219 + d_228*sig_19 + d_237*sig_27;
-        const double d_293 = Phi_30*d_220 + d_229*sig_19 + d_238*sig_27;
-        const double d_294 = Phi_30*d_221 + d_230*sig_19 + d_239*sig_27;
-        const double Phi_70 = Phi_31*x49 + sig_12*sig_55 + sig_28*sig_57;
-        const double p_295 = x49;
-        const double d_296 = Phi_31*d_225 + d_111*p_295 + d_129*sig_57 + d_216*sig_12 + d_234*sig_28 + d_93*sig_55;
-        const double d_297 = Phi_31*d_226 + d_112*p_295 + d_130*sig_57 + d_217*sig_12 + d_235*sig_28 + d_94*sig_55;
-        const double d_298 = Phi_31*d_227 + d_113*p_295 + d_131*sig_57 + d_218*sig_12 + d_236*sig_28 + d_95*sig_55;
-        const double d_299 = Phi_31*d_228 + d_219*sig_12 + d_237*sig_28;
-        const double d_300 = Phi_31*d_229 + d_220*sig_12 + d_238*sig_28;
-        const double d_301 = Phi_31*d_230 + d_221*sig_12 + d_239*sig_28;
-        const double Phi_71 = Phi_32*sig_57 + sig_13*sig_55 + sig_21*x49;
-        const double p_302 = x49;
-        const double d_303 = Phi_32*d_234 + d_117*p_302 + d_135*sig_57 + d_216*sig_13 + d_225*sig_21 + d_99*sig_55;
-        const double d_304 = Phi_32*d_235 + d_100*sig_55 + d_118*p_302 + d_136*sig_57 + d_217*sig_13 + d_226*sig_21;
-        const double d_305 = Phi_32*d_236 + d_101*sig_55 + d_119*p_302 + d_137*sig_57 + d_218*sig_13 + d_227*sig_21;
-        const double d_306 = Phi_32*d_237 + d_219*sig_13 + d_228*sig_21;
-        const double d_307 = Phi_32*d_238 + d_220*sig_13 + d_229*sig_21;
-        const double d_308 = Phi_32*d_239 + d_221*sig_13 + d_230*sig_21;
-        const double x50 = c + sig_65;
-        const double Phi_72 = Phi_30*sig_63 + sig_19*sig_64 + sig_27*x50;
-        const double p_309 = x50;
-        const double d_310 = Phi_30*d_243 + d_105*sig_64 + d_123*p_309 + d_252*sig_19 + d_261*sig_27 + d_87*sig_63;
-        const double d_311 = Phi_30*d_244 + d_106*sig_64 + d_124*p_309 + d_253*sig_19 + d_262*sig_27 + d_88*sig_63;
-        const double d_312 = Phi_30*d_245 + d_107*sig_64 + d_125*p_309 + d_254*sig_19 + d_263*sig_27 + d_89*sig_63;
-        const double d_313 = Phi_30*d_246 + d_255*sig_19 + d_264*sig_27;
-        const double d_314 = Phi_30*d_247 + d_256*sig_19 + d_265*sig_27;
-        const double d_315 = Phi_30*d_248 + d_257*sig_19 + d_266*sig_27;
-        const double Phi_73 = Phi_31*sig_64 + sig_12*sig_63 + sig_28*x50;
-        const double p_316 = x50;
-        const double d_317 = Phi_31*d_252 + d_111*sig_64 + d_129*p_316 + d_243*sig_12 + d_261*sig_28 + d_93*sig_63;
-        const double d_318 = Phi_31*d_253 + d_112*sig_64 + d_130*p_316 + d_244*sig_12 + d_262*sig_28 + d_94*sig_63;
-        const double d_319 = Phi_31*d_254 + d_113*sig_64 + d_131*p_316 + d_245*sig_12 + d_263*sig_28 + d_95*sig_63;
-        const double d_320 = Phi_31*d_255 + d_246*sig_12 + d_264*sig_28;
-        const double d_321 = Phi_31*d_256 + d_247*sig_12 + d_265*sig_28;
-        const double d_322 = Phi_31*d_257 + d_248*sig_12 + d_266*sig_28;
-        const double Phi_74 = Phi_32*x50 + sig_13*sig_63 + sig_21*sig_64;
-        const double p_323 = x50;
-        const double d_324 = Phi_32*d_261 + d_117*sig_64 + d_135*p_323 + d_243*sig_13 + d_252*sig_21 + d_99*sig_63;
-        const double d_325 = Phi_32*d_262 + d_100*sig_63 + d_118*sig_64 + d_136*p_323 + d_244*sig_13 + d_253*sig_21;
-        const double d_326 = Phi_32*d_263 + d_101*sig_63 + d_119*sig_64 + d_137*p_323 + d_245*sig_13 + d_254*sig_21;
-        const double d_327 = Phi_32*d_264 + d_246*sig_13 + d_255*sig_21;
-        const double d_328 = Phi_32*d_265 + d_247*sig_13 + d_256*sig_21;
-        const double d_329 = Phi_32*d_266 + d_248*sig_13 + d_257*sig_21;
-        const double x51 = Phi_70*Phi_74;
-        const double x52 = Phi_69*Phi_73;
-        const double x53 = Phi_71*Phi_73;
-        const double x54 = Phi_69*Phi_74;
-        const double x55 = Phi_70*Phi_72;
-        const double det_75 = Phi_66*x51 - Phi_66*x53 + Phi_67*Phi_71*Phi_72 - Phi_67*x54 + Phi_68*x52 - Phi_68*x55;
-        const double x56 = x51 - x53;
-        const double p_330 = x56;
-        const double x57 = Phi_71*Phi_72 - x54;
-        const double p_331 = x57;
-        const double x58 = x52 - x55;
-        const double p_332 = x58;
-        const double x59 = -Phi_67*Phi_74 + Phi_68*Phi_73;
-        const double p_333 = x59;
-        const double x60 = Phi_66*Phi_74 - Phi_68*Phi_72;
-        const double p_334 = x60;
-        const double x61 = -Phi_66*Phi_73 + Phi_67*Phi_72;
-        const double p_335 = x61;
-        const double x62 = Phi_67*Phi_71 - Phi_68*Phi_70;
-        const double p_336 = x62;
-        const double x63 = -Phi_66*Phi_71 + Phi_68*Phi_69;
-        const double p_337 = x63;
-        const double x64 = Phi_66*Phi_70 - Phi_67*Phi_69;
-        const double p_338 = x64;
-        const double d_339 = d_268*p_330 + d_275*p_331 + d_282*p_332 + d_289*p_333 + d_296*p_334 + d_303*p_335 + d_310*p_336 + d_317*p_337 + d_324*p_338;
-        const double d_340 = d_269*p_330 + d_276*p_331 + d_283*p_332 + d_290*p_333 + d_297*p_334 + d_304*p_335 + d_311*p_336 + d_318*p_337 + d_325*p_338;
-        const double d_341 = d_270*p_330 + d_277*p_331 + d_284*p_332 + d_291*p_333 + d_298*p_334 + d_305*p_335 + d_312*p_336 + d_319*p_337 + d_326*p_338;
-        const double d_342 = d_271*p_330 + d_278*p_331 + d_285*p_332 + d_292*p_333 + d_299*p_334 + d_306*p_335 + d_313*p_336 + d_320*p_337 + d_327*p_338;
-        const double d_343 = d_272*p_330 + d_279*p_331 + d_286*p_332 + d_293*p_333 + d_300*p_334 + d_307*p_335 + d_314*p_336 + d_321*p_337 + d_328*p_338;
-        const double d_344 = d_273*p_330 + d_280*p_331 + d_287*p_332 + d_294*p_333 + d_301*p_334 + d_308*p_335 + d_315*p_336 + d_322*p_337 + d_329*p_338;
-        const double x65 = fabs(det_75);
-        const double logdet_76 = log(x65);
-        const double p_345 = (((det_75) > 0) - ((det_75) < 0))/x65;
-        const double d_346 = d_339*p_345;
-        const double d_347 = d_340*p_345;
-        const double d_348 = d_341*p_345;
-        const double d_349 = d_342*p_345;
-        const double d_350 = d_343*p_345;
-        const double d_351 = d_344*p_345;
-        const double idet_77 = (1.0/(det_75));
-        const double p_352 = -(idet_77*idet_77);
-        const double d_353 = d_339*p_352;
-        const double d_354 = d_340*p_352;
-        const double d_355 = d_341*p_352;
-        const double d_356 = d_342*p_352;
-        const double d_357 = d_343*p_352;
-        const double d_358 = d_344*p_352;
-        const double x66 = u_0_0*x56 + u_1_0*x59 + u_2_0*x62;
-        const double h_78 = idet_77*x66;
-        const double x67 = Phi_71*u_2_0 - Phi_74*u_1_0;
-        const double p_359 = idet_77*x67;
-        const double x68 = Phi_70*u_2_0 - Phi_73*u_1_0;
-        const double p_360 = -idet_77*x68;
-        const double x69 = Phi_68*u_2_0 - Phi_74*u_0_0;
-        const double p_361 = -idet_77*x69;
-        const double x70 = Phi_67*u_2_0 - Phi_73*u_0_0;
-        const double p_362 = idet_77*x70;
-        const double x71 = Phi_68*u_1_0 - Phi_71*u_0_0;
-        const double p_363 = idet_77*x71;
-        const double x72 = Phi_67*u_1_0 - Phi_70*u_0_0;
-        const double p_364 = -idet_77*x72;
-        const double p_365 = x66;
-        const double d_366 = d_275*p_359 + d_282*p_360 + d_296*p_361 + d_303*p_362 + d_317*p_363 + d_324*p_364 + d_353*p_365;
-        const double d_367 = d_276*p_359 + d_283*p_360 + d_297*p_361 + d_304*p_362 + d_318*p_363 + d_325*p_364 + d_354*p_365;
-        const double d_368 = d_277*p_359 + d_284*p_360 + d_298*p_361 + d_305*p_362 + d_319*p_363 + d_326*p_364 + d_355*p_365;
-        const double d_369 = d_278*p_359 + d_285*p_360 + d_299*p_361 + d_306*p_362 + d_320*p_363 + d_327*p_364 + d_356*p_365;
-        const double d_370 = d_279*p_359 + d_286*p_360 + d_300*p_361 + d_307*p_362 + d_321*p_363 + d_328*p_364 + d_357*p_365;
-        const double d_371 = d_280*p_359 + d_287*p_360 + d_301*p_361 + d_308*p_362 + d_322*p_363 + d_329*p_364 + d_358*p_365;
-        const double x73 = u_0_0*x57 + u_1_0*x60 + u_2_0*x63;
-        const double h_79 = idet_77*x73;
-        const double p_372 = -idet_77*x67;
-        const double x74 = Phi_69*u_2_0 - Phi_72*u_1_0;
-        const double p_373 = idet_77*x74;
-        const double p_374 = idet_77*x69;
-        const double x75 = Phi_66*u_2_0 - Phi_72*u_0_0;
-        const double p_375 = -idet_77*x75;
-        const double p_376 = -idet_77*x71;
-        const double x76 = Phi_66*u_1_0 - Phi_69*u_0_0;
-        const double p_377 = idet_77*x76;
-        const double p_378 = x73;
-        const double d_379 = d_268*p_372 + d_282*p_373 + d_289*p_374 + d_303*p_375 + d_310*p_376 + d_324*p_377 + d_353*p_378;
-        const double d_380 = d_269*p_372 + d_283*p_373 + d_290*p_374 + d_304*p_375 + d_311*p_376 + d_325*p_377 + d_354*p_378;
-        const double d_381 = d_270*p_372 + d_284*p_373 + d_291*p_374 + d_305*p_375 + d_312*p_376 + d_326*p_377 + d_355*p_378;
-        const double d_382 = d_271*p_372 + d_285*p_373 + d_292*p_374 + d_306*p_375 + d_313*p_376 + d_327*p_377 + d_356*p_378;
-        const double d_383 = d_272*p_372 + d_286*p_373 + d_293*p_374 + d_307*p_375 + d_314*p_376 + d_328*p_377 + d_357*p_378;
-        const double d_384 = d_273*p_372 + d_287*p_373 + d_294*p_374 + d_308*p_375 + d_315*p_376 + d_329*p_377 + d_358*p_378;
-        const double x77 = u_0_0*x58 + u_1_0*x61 + u_2_0*x64;
-        const double h_80 = idet_77*x77;
-        const double p_385 = idet_77*x68;
-        const double p_386 = -idet_77*x74;
-        const double p_387 = -idet_77*x70;
-        const double p_388 = idet_77*x75;
-        const double p_389 = idet_77*x72;
-        const double p_390 = -idet_77*x76;
-        const double p_391 = x77;
-        const double d_392 = d_268*p_385 + d_275*p_386 + d_289*p_387 + d_296*p_388 + d_310*p_389 + d_317*p_390 + d_353*p_391;
-        const double d_393 = d_269*p_385 + d_276*p_386 + d_290*p_387 + d_297*p_388 + d_311*p_389 + d_318*p_390 + d_354*p_391;
-        const double d_394 = d_270*p_385 + d_277*p_386 + d_291*p_387 + d_298*p_388 + d_312*p_389 + d_319*p_390 + d_355*p_391;
-        const double d_395 = d_271*p_385 + d_278*p_386 + d_292*p_387 + d_299*p_388 + d_313*p_389 + d_320*p_390 + d_356*p_391;
-        const double d_396 = d_272*p_385 + d_279*p_386 + d_293*p_387 + d_300*p_388 + d_314*p_389 + d_321*p_390 + d_357*p_391;
-        const double d_397 = d_273*p_385 + d_280*p_386 + d_294*p_387 + d_301*p_388 + d_315*p_389 + d_322*p_390 + d_358*p_391;
-        out[0] = h_78;
-        out[1] = h_79;
-        out[2] = h_80;
-        out[3] = logdet_76;
-        out[4] = d_366;
-        out[5] = d_367;
-        out[6] = d_368;
-        out[7] = d_369;
-        out[8] = d_370;
-        out[9] = d_371;
-        out[10] = d_379;
-        out[11] = d_380;
-        out[12] = d_381;
-        out[13] = d_382;
-        out[14] = d_383;
-        out[15] = d_384;
-        out[16] = d_392;
-        out[17] = d_393;
-        out[18] = d_394;
-        out[19] = d_395;
-        out[20] = d_396;
-        out[21] = d_397;
-        out[22] = d_346;
-        out[23] = d_347;
-        out[24] = d_348;
-        out[25] = d_349;
-        out[26] = d_350;
-        out[27] = d_351;
+        const double p_275 = x50;
+        const double p_276 = e_61*x45*(e_59 + e_60);
+        const double d_277 = d_176*p_274 + d_189*p_275 + d_196*p_276;
+        const double d_278 = d_177*p_274 + d_190*p_275 + d_197*p_276;
+        const double d_279 = d_178*p_274 + d_191*p_275 + d_198*p_276;
+        const double d_280 = d_179*p_274 + d_192*p_275 + d_199*p_276;
+        const double d_281 = d_180*p_274 + d_193*p_275 + d_200*p_276;
+        const double d_282 = d_181*p_274 + d_194*p_275 + d_201*p_276;
+        const double piv_66 = x24;
+        const double x51 = (1.0/(piv_66));
+        const double x52 = fabs(piv_66) > 1.0261342003245941e-289;
+        const double mul_67 = ((x52) ? (
+       sig_19*x51
+    )
+    : (
+       0
+    ));
+        const double x53 = (1.0/(piv_66*piv_66));
+        const double p_283 = ((x52) ? (
+       -sig_19*x53
+    )
+    : (
+       0
+    ));
+        const double x54 = ((x52) ? (
+       x51
+    )
+    : (
+       0
+    ));
+        const double p_284 = x54;
+        const double d_285 = d_103*p_283 + d_121*p_284;
+        const double d_286 = d_104*p_283 + d_122*p_284;
+        const double d_287 = d_105*p_283 + d_123*p_284;
+        const double schur_68 = -mul_67*sig_12 + x25;
+        const double x55 = -sig_12;
+        const double p_288 = x55;
+        const double x56 = -mul_67;
+        const double p_289 = x56;
+        const double d_290 = d_109*p_289 + d_127 + d_285*p_288;
+        const double d_291 = d_110*p_289 + d_128 + d_286*p_288;
+        const double d_292 = d_111*p_289 + d_129 + d_287*p_288;
+        const double schur_69 = -mul_67*sig_13 + sig_21;
+        const double x57 = -sig_13;
+        const double p_293 = x57;
+        const double p_294 = x56;
+        const double d_295 = d_115*p_294 + d_133 + d_285*p_293;
+        const double d_296 = d_116*p_294 + d_134 + d_286*p_293;
+        const double d_297 = d_117*p_294 + d_135 + d_287*p_293;
+        const double mul_70 = ((x52) ? (
+       sig_27*x51
+    )
+    : (
+       0
+    ));
+        const double p_298 = ((x52) ? (
+       -sig_27*x53
+    )
+    : (
+       0
+    ));
+        const double p_299 = x54;
+        const double d_300 = d_103*p_298 + d_139*p_299;
+        const double d_301 = d_104*p_298 + d_140*p_299;
+        const double d_302 = d_105*p_298 + d_141*p_299;
+        const double schur_71 = -mul_70*sig_12 + sig_28;
+        const double p_303 = x55;
+        const double x58 = -mul_70;
+        const double p_304 = x58;
+        const double d_305 = d_109*p_304 + d_145 + d_300*p_303;
+        const double d_306 = d_110*p_304 + d_146 + d_301*p_303;
+        const double d_307 = d_111*p_304 + d_147 + d_302*p_303;
+        const double schur_72 = -mul_70*sig_13 + x26;
+        const double p_308 = x57;
+        const double p_309 = x58;
+        const double d_310 = d_115*p_309 + d_151 + d_300*p_308;
+        const double d_311 = d_116*p_309 + d_152 + d_301*p_308;
+        const double d_312 = d_117*p_309 + d_153 + d_302*p_308;
+        const double x59 = (1.0/(schur_68));
+        const double x60 = fabs(schur_68) > 1.0261342003245941e-289;
+        const double mul_73 = ((x60) ? (
+       schur_71*x59
+    )
+    : (
+       0
+    ));
+        const double x61 = (1.0/(schur_68*schur_68));
+        const double p_313 = ((x60) ? (
+       -schur_71*x61
+    )
+    : (
+       0
+    ));
+        const double p_314 = ((x60) ? (
+       x59
+    )
+    : (
+       0
+    ));
+        const double d_315 = d_290*p_313 + d_305*p_314;
+        const double d_316 = d_291*p_313 + d_306*p_314;
+        const double d_317 = d_292*p_313 + d_307*p_314;
+        const double schur_74 = -mul_73*schur_69 + schur_72;
+        const double p_318 = -schur_69;
+        const double x62 = -mul_73;
+        const double p_319 = x62;
+        const double d_320 = d_295*p_319 + d_310 + d_315*p_318;
+        const double d_321 = d_296*p_319 + d_311 + d_316*p_318;
+        const double d_322 = d_297*p_319 + d_312 + d_317*p_318;
+        const double x63 = schur_68*schur_74;
+        const double x64 = piv_66*x63;
+        const double x65 = fabs(x64);
+        const double ldet_75 = log(x65);
+        const double x66 = (((x64) > 0) - ((x64) < 0))/x65;
+        const double p_323 = x63*x66;
+        const double x67 = piv_66*x66;
+        const double p_324 = schur_74*x67;
+        const double p_325 = schur_68*x67;
+        const double d_326 = d_103*p_323 + d_290*p_324 + d_320*p_325;
+        const double d_327 = d_104*p_323 + d_291*p_324 + d_321*p_325;
+        const double d_328 = d_105*p_323 + d_292*p_324 + d_322*p_325;
+        const double piv_76 = c + sig_47;
+        const double x68 = (1.0/(piv_76));
+        const double x69 = fabs(piv_76) > 1.0261342003245941e-289;
+        const double mul_77 = ((x69) ? (
+       sig_55*x68
+    )
+    : (
+       0
+    ));
+        const double x70 = (1.0/(piv_76*piv_76));
+        const double p_329 = ((x69) ? (
+       -sig_55*x70
+    )
+    : (
+       0
+    ));
+        const double x71 = ((x69) ? (
+       x68
+    )
+    : (
+       0
+    ));
+        const double p_330 = x71;
+        const double d_331 = d_205*p_329 + d_232*p_330;
+        const double d_332 = d_206*p_329 + d_233*p_330;
+        const double d_333 = d_207*p_329 + d_234*p_330;
+        const double d_334 = d_208*p_329 + d_235*p_330;
+        const double d_335 = d_209*p_329 + d_236*p_330;
+        const double d_336 = d_210*p_329 + d_237*p_330;
+        const double schur_78 = c - mul_77*sig_48 + sig_56;
+        const double x72 = -sig_48;
+        const double p_337 = x72;
+        const double x73 = -mul_77;
+        const double p_338 = x73;
+        const double d_339 = d_214*p_338 + d_241 + d_331*p_337;
+        const double d_340 = d_215*p_338 + d_242 + d_332*p_337;
+        const double d_341 = d_216*p_338 + d_243 + d_333*p_337;
+        const double d_342 = d_217*p_338 + d_244 + d_334*p_337;
+        const double d_343 = d_218*p_338 + d_245 + d_335*p_337;
+        const double d_344 = d_219*p_338 + d_246 + d_336*p_337;
+        const double schur_79 = -mul_77*sig_49 + sig_57;
+        const double x74 = -sig_49;
+        const double p_345 = x74;
+        const double p_346 = x73;
+        const double d_347 = d_223*p_346 + d_250 + d_331*p_345;
+        const double d_348 = d_224*p_346 + d_251 + d_332*p_345;
+        const double d_349 = d_225*p_346 + d_252 + d_333*p_345;
+        const double d_350 = d_226*p_346 + d_253 + d_334*p_345;
+        const double d_351 = d_227*p_346 + d_254 + d_335*p_345;
+        const double d_352 = d_228*p_346 + d_255 + d_336*p_345;
+        const double mul_80 = ((x69) ? (
+       sig_63*x68
+    )
+    : (
+       0
+    ));
+        const double p_353 = ((x69) ? (
+       -sig_63*x70
+    )
+    : (
+       0
+    ));
+        const double p_354 = x71;
+        const double d_355 = d_205*p_353 + d_259*p_354;
+        const double d_356 = d_206*p_353 + d_260*p_354;
+        const double d_357 = d_207*p_353 + d_261*p_354;
+        const double d_358 = d_208*p_353 + d_262*p_354;
+        const double d_359 = d_209*p_353 + d_263*p_354;
+        const double d_360 = d_210*p_353 + d_264*p_354;
+        const double schur_81 = -mul_80*sig_48 + sig_64;
+        const double p_361 = x72;
+        const double x75 = -mul_80;
+        const double p_362 = x75;
+        const double d_363 = d_214*p_362 + d_268 + d_355*p_361;
+        const double d_364 = d_215*p_362 + d_269 + d_356*p_361;
+        const double d_365 = d_216*p_362 + d_270 + d_357*p_361;
+        const double d_366 = d_217*p_362 + d_271 + d_358*p_361;
+        const double d_367 = d_218*p_362 + d_272 + d_359*p_361;
+        const double d_368 = d_219*p_362 + d_273 + d_360*p_361;
+        const double schur_82 = c - mul_80*sig_49 + sig_65;
+        const double p_369 = x74;
+        const double p_370 = x75;
+        const double d_371 = d_223*p_370 + d_277 + d_355*p_369;
+        const double d_372 = d_224*p_370 + d_278 + d_356*p_369;
+        const double d_373 = d_225*p_370 + d_279 + d_357*p_369;
+        const double d_374 = d_226*p_370 + d_280 + d_358*p_369;
+        const double d_375 = d_227*p_370 + d_281 + d_359*p_369;
+        const double d_376 = d_228*p_370 + d_282 + d_360*p_369;
+        const double x76 = (1.0/(schur_78));
+        const double x77 = fabs(schur_78) > 1.0261342003245941e-289;
+        const double mul_83 = ((x77) ? (
+       schur_81*x76
+    )
+    : (
+       0
+    ));
+        const double x78 = (1.0/(schur_78*schur_78));
+        const double p_377 = ((x77) ? (
+       -schur_81*x78
+    )
+    : (
+       0
+    ));
+        const double p_378 = ((x77) ? (
+       x76
+    )
+    : (
+       0
+    ));
+        const double d_379 = d_339*p_377 + d_363*p_378;
+        const double d_380 = d_340*p_377 + d_364*p_378;
+        const double d_381 = d_341*p_377 + d_365*p_378;
+        const double d_382 = d_342*p_377 + d_366*p_378;
+        const double d_383 = d_343*p_377 + d_367*p_378;
+        const double d_384 = d_344*p_377 + d_368*p_378;
+        const double schur_84 = -mul_83*schur_79 + schur_82;
+        const double p_385 = -schur_79;
+        const double x79 = -mul_83;
+        const double p_386 = x79;
+        const double d_387 = d_347*p_386 + d_371 + d_379*p_385;
+        const double d_388 = d_348*p_386 + d_372 + d_380*p_385;
+        const double d_389 = d_349*p_386 + d_373 + d_381*p_385;
+        const double d_390 = d_350*p_386 + d_374 + d_382*p_385;
+        const double d_391 = d_351*p_386 + d_375 + d_383*p_385;
+        const double d_392 = d_352*p_386 + d_376 + d_384*p_385;
+        const double x80 = schur_78*schur_84;
+        const double x81 = piv_76*x80;
+        const double x82 = fabs(x81);
+        const double ldet_85 = log(x82);
+        const double x83 = (((x81) > 0) - ((x81) < 0))/x82;
+        const double p_393 = x80*x83;
+        const double x84 = piv_76*x83;
+        const double p_394 = schur_84*x84;
+        const double p_395 = schur_78*x84;
+        const double d_396 = d_205*p_393 + d_339*p_394 + d_387*p_395;
+        const double d_397 = d_206*p_393 + d_340*p_394 + d_388*p_395;
+        const double d_398 = d_207*p_393 + d_341*p_394 + d_389*p_395;
+        const double d_399 = d_208*p_393 + d_342*p_394 + d_390*p_395;
+        const double d_400 = d_209*p_393 + d_343*p_394 + d_391*p_395;
+        const double d_401 = d_210*p_393 + d_344*p_394 + d_392*p_395;
+        const double logdet_86 = ldet_75 + ldet_85;
+        const double d_402 = d_326 + d_396;
+        const double d_403 = d_327 + d_397;
+        const double d_404 = d_328 + d_398;
+        const double fwd_87 = -mul_77*u_0_0 + u_1_0;
+        const double x85 = -u_0_0;
+        const double p_405 = x85;
+        const double d_406 = d_331*p_405;
+        const double d_407 = d_332*p_405;
+        const double d_408 = d_333*p_405;
+        const double d_409 = d_334*p_405;
+        const double d_410 = d_335*p_405;
+        const double d_411 = d_336*p_405;
+        const double fwd_88 = -fwd_87*mul_83 - mul_80*u_0_0 + u_2_0;
+        const double p_412 = x79;
+        const double p_413 = x85;
+        const double x86 = -fwd_87;
+        const double p_414 = x86;
+        const double d_415 = d_355*p_413 + d_379*p_414 + d_406*p_412;
+        const double d_416 = d_356*p_413 + d_380*p_414 + d_407*p_412;
+        const double d_417 = d_357*p_413 + d_381*p_414 + d_408*p_412;
+        const double d_418 = d_358*p_413 + d_382*p_414 + d_409*p_412;
+        const double d_419 = d_359*p_413 + d_383*p_414 + d_410*p_412;
+        const double d_420 = d_360*p_413 + d_384*p_414 + d_411*p_412;
+        const double x87 = (1.0/(schur_84));
+        const double bwd_89 = fwd_88*x87;
+        const double p_421 = x87;
+        const double p_422 = -bwd_89*x87;
+        const double d_423 = d_387*p_422 + d_415*p_421;
+        const double d_424 = d_388*p_422 + d_416*p_421;
+        const double d_425 = d_389*p_422 + d_417*p_421;
+        const double d_426 = d_390*p_422 + d_418*p_421;
+        const double d_427 = d_391*p_422 + d_419*p_421;
+        const double d_428 = d_392*p_422 + d_420*p_421;
+        const double x88 = bwd_89*schur_79 + x86;
+        const double bwd_90 = -x76*x88;
+        const double p_429 = -schur_79*x76;
+        const double p_430 = x76;
+        const double p_431 = x78*x88;
+        const double p_432 = -bwd_89*x76;
+        const double d_433 = d_339*p_431 + d_347*p_432 + d_406*p_430 + d_423*p_429;
+        const double d_434 = d_340*p_431 + d_348*p_432 + d_407*p_430 + d_424*p_429;
+        const double d_435 = d_341*p_431 + d_349*p_432 + d_408*p_430 + d_425*p_429;
+        const double d_436 = d_342*p_431 + d_350*p_432 + d_409*p_430 + d_426*p_429;
+        const double d_437 = d_343*p_431 + d_351*p_432 + d_410*p_430 + d_427*p_429;
+        const double d_438 = d_344*p_431 + d_352*p_432 + d_411*p_430 + d_428*p_429;
+        const double x89 = bwd_89*sig_49 + bwd_90*sig_48 + x85;
+        const double bwd_91 = -x68*x89;
+        const double p_439 = -sig_49*x68;
+        const double p_440 = -sig_48*x68;
+        const double p_441 = x70*x89;
+        const double p_442 = -bwd_90*x68;
+        const double p_443 = -bwd_89*x68;
+        const double d_444 = d_205*p_441 + d_214*p_442 + d_223*p_443 + d_423*p_439 + d_433*p_440;
+        const double d_445 = d_206*p_441 + d_215*p_442 + d_224*p_443 + d_424*p_439 + d_434*p_440;
+        const double d_446 = d_207*p_441 + d_216*p_442 + d_225*p_443 + d_425*p_439 + d_435*p_440;
+        const double d_447 = d_208*p_441 + d_217*p_442 + d_226*p_443 + d_426*p_439 + d_436*p_440;
+        const double d_448 = d_209*p_441 + d_218*p_442 + d_227*p_443 + d_427*p_439 + d_437*p_440;
+        const double d_449 = d_210*p_441 + d_219*p_442 + d_228*p_443 + d_428*p_439 + d_438*p_440;
+        const double fwd_92 = bwd_90 - bwd_91*mul_67;
+        const double p_450 = x56;
+        const double x90 = -bwd_91;
+        const double p_451 = x90;
+        const double d_452 = d_285*p_451 + d_433 + d_444*p_450;
+        const double d_453 = d_286*p_451 + d_434 + d_445*p_450;
+        const double d_454 = d_287*p_451 + d_435 + d_446*p_450;
+        const double d_455 = d_436 + d_447*p_450;
+        const double d_456 = d_437 + d_448*p_450;
+        const double d_457 = d_438 + d_449*p_450;
+        const double fwd_93 = bwd_89 - bwd_91*mul_70 - fwd_92*mul_73;
+        const double p_458 = x58;
+        const double p_459 = x62;
+        const double p_460 = x90;
+        const double x91 = -fwd_92;
+        const double p_461 = x91;
+        const double d_462 = d_300*p_460 + d_315*p_461 + d_423 + d_444*p_458 + d_452*p_459;
+        const double d_463 = d_301*p_460 + d_316*p_461 + d_424 + d_445*p_458 + d_453*p_459;
+        const double d_464 = d_302*p_460 + d_317*p_461 + d_425 + d_446*p_458 + d_454*p_459;
+        const double d_465 = d_426 + d_447*p_458 + d_455*p_459;
+        const double d_466 = d_427 + d_448*p_458 + d_456*p_459;
+        const double d_467 = d_428 + d_449*p_458 + d_457*p_459;
+        const double x92 = (1.0/(schur_74));
+        const double bwd_94 = fwd_93*x92;
+        const double p_468 = x92;
+        const double p_469 = -bwd_94*x92;
+        const double d_470 = d_320*p_469 + d_462*p_468;
+        const double d_471 = d_321*p_469 + d_463*p_468;
+        const double d_472 = d_322*p_469 + d_464*p_468;
+        const double d_473 = d_465*p_468;
+        const double d_474 = d_466*p_468;
+        const double d_475 = d_467*p_468;
+        const double x93 = bwd_94*schur_69 + x91;
+        const double bwd_95 = -x59*x93;
+        const double p_476 = -schur_69*x59;
+        const double p_477 = x59;
+        const double p_478 = x61*x93;
+        const double p_479 = -bwd_94*x59;
+        const double d_480 = d_290*p_478 + d_295*p_479 + d_452*p_477 + d_470*p_476;
+        const double d_481 = d_291*p_478 + d_296*p_479 + d_453*p_477 + d_471*p_476;
+        const double d_482 = d_292*p_478 + d_297*p_479 + d_454*p_477 + d_472*p_476;
+        const double d_483 = d_455*p_477 + d_473*p_476;
+        const double d_484 = d_456*p_477 + d_474*p_476;
+        const double d_485 = d_457*p_477 + d_475*p_476;
+        const double x94 = bwd_94*sig_13 + bwd_95*sig_12 + x90;
+        const double bwd_96 = -x51*x94;
+        const double p_486 = x51;
+        const double p_487 = -sig_13*x51;
+        const double p_488 = -sig_12*x51;
+        const double p_489 = x53*x94;
+        const double p_490 = -bwd_95*x51;
+        const double p_491 = -bwd_94*x51;
+        const double d_492 = d_103*p_489 + d_109*p_490 + d_115*p_491 + d_444*p_486 + d_470*p_487 + d_480*p_488;
+        const double d_493 = d_104*p_489 + d_110*p_490 + d_116*p_491 + d_445*p_486 + d_471*p_487 + d_481*p_488;
+        const double d_494 = d_105*p_489 + d_111*p_490 + d_117*p_491 + d_446*p_486 + d_472*p_487 + d_482*p_488;
+        const double d_495 = d_447*p_486 + d_473*p_487 + d_483*p_488;
+        const double d_496 = d_448*p_486 + d_474*p_487 + d_484*p_488;
+        const double d_497 = d_449*p_486 + d_475*p_487 + d_485*p_488;
+        out[0] = bwd_96;
+        out[1] = bwd_95;
+        out[2] = bwd_94;
+        out[3] = logdet_86;
+        out[4] = d_492;
+        out[5] = d_493;
+        out[6] = d_494;
+        out[7] = d_495;
+        out[8] = d_496;
+        out[9] = d_497;
+        out[10] = d_480;
+        out[11] = d_481;
+        out[12] = d_482;
+        out[13] = d_483;
+        out[14] = d_484;
+        out[15] = d_485;
+        out[16] = d_470;
+        out[17] = d_471;
+        out[18] = d_472;
+        out[19] = d_473;
+        out[20] = d_474;
+        out[21] = d_475;
+        out[22] = d_402;
+        out[23] = d_403;
+        out[24] = d_404;
+        out[25] = d_399;
+        out[26] = d_400;
+        out[27] = d_401;
     }
     static void attention_tied_softmax_L3_T4_r1_reparam(const double *in, const double *par, double *out)
     {
@@ -3357,26 +4011,27 @@ cdef extern from *:
     : (
        us_60
     ))))));
-        const double x31 = u_64 - u_65;
-        const double res_68 = beta*(-ell_16 - u_64*x31);
-        const double x32 = -u_66;
-        const double x33 = u_64 + x32;
-        const double res_69 = beta*(-ell_17 - u_64*x33);
-        const double x34 = -u_67;
-        const double x35 = u_64 + x34;
-        const double res_70 = beta*(-ell_18 - u_64*x35);
-        const double res_71 = beta*(-ell_19 + u_65*x31);
-        const double x36 = u_65 + x32;
-        const double res_72 = beta*(-ell_20 - u_65*x36);
-        const double x37 = u_65 + x34;
-        const double res_73 = beta*(-ell_21 - u_65*x37);
-        const double res_74 = beta*(-ell_22 + u_66*x33);
-        const double res_75 = beta*(-ell_23 + u_66*x36);
-        const double x38 = u_66 + x34;
-        const double res_76 = beta*(-ell_24 - u_66*x38);
-        const double res_77 = beta*(-ell_25 + u_67*x35);
-        const double res_78 = beta*(-ell_26 + u_67*x37);
-        const double res_79 = beta*(-ell_27 + u_67*x38);
+        const double x31 = -u_65;
+        const double x32 = u_64 + x31;
+        const double res_68 = beta*(-ell_16 - u_64*x32);
+        const double x33 = -u_66;
+        const double x34 = u_64 + x33;
+        const double res_69 = beta*(-ell_17 - u_64*x34);
+        const double x35 = -u_67;
+        const double x36 = u_64 + x35;
+        const double res_70 = beta*(-ell_18 - u_64*x36);
+        const double res_71 = beta*(-ell_19 + u_65*x32);
+        const double x37 = u_65 + x33;
+        const double res_72 = beta*(-ell_20 - u_65*x37);
+        const double x38 = u_65 + x35;
+        const double res_73 = beta*(-ell_21 - u_65*x38);
+        const double res_74 = beta*(-ell_22 + u_66*x34);
+        const double res_75 = beta*(-ell_23 + u_66*x37);
+        const double x39 = u_66 + x35;
+        const double res_76 = beta*(-ell_24 - u_66*x39);
+        const double res_77 = beta*(-ell_25 + u_67*x36);
+        const double res_78 = beta*(-ell_26 + u_67*x38);
+        const double res_79 = beta*(-ell_27 + u_67*x39);
         const double M_80 = (z_0_0*z_0_0);
         const double M_81 = z_0_0*z_0_1;
         const double M_82 = z_0_0*z_0_2;
@@ -3388,53 +4043,57 @@ cdef extern from *:
         const double M_88 = z_0_2*z_0_3;
         const double M_89 = (z_0_3*z_0_3);
         const double m_90 = fmax(M_80, fmax(M_81, fmax(M_82, M_83)));
-        const double x39 = -m_90;
-        const double e_91 = exp(beta*(M_80 + x39));
-        const double e_92 = exp(beta*(M_81 + x39));
-        const double e_93 = exp(beta*(M_82 + x39));
-        const double e_94 = exp(beta*(M_83 + x39));
+        const double x40 = -m_90;
+        const double e_91 = exp(beta*(M_80 + x40));
+        const double e_92 = exp(beta*(M_81 + x40));
+        const double e_93 = exp(beta*(M_82 + x40));
+        const double e_94 = exp(beta*(M_83 + x40));
         const double w_95 = (1.0/(e_91 + e_92 + e_93 + e_94));
         const double sig_96 = e_91*w_95;
         const double sig_97 = e_92*w_95;
         const double sig_98 = e_93*w_95;
         const double sig_99 = e_94*w_95;
         const double m_100 = fmax(M_81, fmax(M_84, fmax(M_85, M_86)));
-        const double x40 = -m_100;
-        const double e_101 = exp(beta*(M_81 + x40));
-        const double e_102 = exp(beta*(M_84 + x40));
-        const double e_103 = exp(beta*(M_85 + x40));
-        const double e_104 = exp(beta*(M_86 + x40));
+        const double x41 = -m_100;
+        const double e_101 = exp(beta*(M_81 + x41));
+        const double e_102 = exp(beta*(M_84 + x41));
+        const double e_103 = exp(beta*(M_85 + x41));
+        const double e_104 = exp(beta*(M_86 + x41));
         const double w_105 = (1.0/(e_101 + e_102 + e_103 + e_104));
         const double sig_106 = e_101*w_105;
         const double sig_107 = e_102*w_105;
         const double sig_108 = e_103*w_105;
         const double sig_109 = e_104*w_105;
         const double m_110 = fmax(M_82, fmax(M_85, fmax(M_87, M_88)));
-        const double x41 = -m_110;
-        const double e_111 = exp(beta*(M_82 + x41));
-        const double e_112 = exp(beta*(M_85 + x41));
-        const double e_113 = exp(beta*(M_87 + x41));
-        const double e_114 = exp(beta*(M_88 + x41));
+        const double x42 = -m_110;
+        const double e_111 = exp(beta*(M_82 + x42));
+        const double e_112 = exp(beta*(M_85 + x42));
+        const double e_113 = exp(beta*(M_87 + x42));
+        const double e_114 = exp(beta*(M_88 + x42));
         const double w_115 = (1.0/(e_111 + e_112 + e_113 + e_114));
         const double sig_116 = e_111*w_115;
         const double sig_117 = e_112*w_115;
         const double sig_118 = e_113*w_115;
         const double sig_119 = e_114*w_115;
         const double m_120 = fmax(M_83, fmax(M_86, fmax(M_88, M_89)));
-        const double x42 = -m_120;
-        const double e_121 = exp(beta*(M_83 + x42));
-        const double e_122 = exp(beta*(M_86 + x42));
-        const double e_123 = exp(beta*(M_88 + x42));
-        const double e_124 = exp(beta*(M_89 + x42));
+        const double x43 = -m_120;
+        const double e_121 = exp(beta*(M_83 + x43));
+        const double e_122 = exp(beta*(M_86 + x43));
+        const double e_123 = exp(beta*(M_88 + x43));
+        const double e_124 = exp(beta*(M_89 + x43));
         const double w_125 = (1.0/(e_121 + e_122 + e_123 + e_124));
         const double sig_126 = e_121*w_125;
         const double sig_127 = e_122*w_125;
         const double sig_128 = e_123*w_125;
         const double sig_129 = e_124*w_125;
-        const double Phi_130 = c + sig_96;
-        const double Phi_131 = c + sig_107;
-        const double Phi_132 = c + sig_118;
-        const double Phi_133 = c + sig_129;
+        const double x44 = c + sig_96;
+        const double Phi_130 = x44;
+        const double x45 = c + sig_107;
+        const double Phi_131 = x45;
+        const double x46 = c + sig_118;
+        const double Phi_132 = x46;
+        const double x47 = c + sig_129;
+        const double Phi_133 = x47;
         const double u_134 = Phi_130*z_1_0 + sig_97*z_1_1 + sig_98*z_1_2 + sig_99*z_1_3;
         const double u_135 = Phi_131*z_1_1 + sig_106*z_1_0 + sig_108*z_1_2 + sig_109*z_1_3;
         const double u_136 = Phi_132*z_1_2 + sig_116*z_1_0 + sig_117*z_1_1 + sig_119*z_1_3;
@@ -3450,115 +4109,187 @@ cdef extern from *:
         const double M_146 = u_136*u_137;
         const double M_147 = (u_137*u_137);
         const double m_148 = fmax(M_138, fmax(M_139, fmax(M_140, M_141)));
-        const double x43 = -m_148;
-        const double e_149 = exp(beta*(M_138 + x43));
-        const double e_150 = exp(beta*(M_139 + x43));
-        const double e_151 = exp(beta*(M_140 + x43));
-        const double e_152 = exp(beta*(M_141 + x43));
+        const double x48 = -m_148;
+        const double e_149 = exp(beta*(M_138 + x48));
+        const double e_150 = exp(beta*(M_139 + x48));
+        const double e_151 = exp(beta*(M_140 + x48));
+        const double e_152 = exp(beta*(M_141 + x48));
         const double w_153 = (1.0/(e_149 + e_150 + e_151 + e_152));
         const double sig_154 = e_149*w_153;
         const double sig_155 = e_150*w_153;
         const double sig_156 = e_151*w_153;
         const double sig_157 = e_152*w_153;
         const double m_158 = fmax(M_139, fmax(M_142, fmax(M_143, M_144)));
-        const double x44 = -m_158;
-        const double e_159 = exp(beta*(M_139 + x44));
-        const double e_160 = exp(beta*(M_142 + x44));
-        const double e_161 = exp(beta*(M_143 + x44));
-        const double e_162 = exp(beta*(M_144 + x44));
+        const double x49 = -m_158;
+        const double e_159 = exp(beta*(M_139 + x49));
+        const double e_160 = exp(beta*(M_142 + x49));
+        const double e_161 = exp(beta*(M_143 + x49));
+        const double e_162 = exp(beta*(M_144 + x49));
         const double w_163 = (1.0/(e_159 + e_160 + e_161 + e_162));
         const double sig_164 = e_159*w_163;
         const double sig_165 = e_160*w_163;
         const double sig_166 = e_161*w_163;
         const double sig_167 = e_162*w_163;
         const double m_168 = fmax(M_140, fmax(M_143, fmax(M_145, M_146)));
-        const double x45 = -m_168;
-        const double e_169 = exp(beta*(M_140 + x45));
-        const double e_170 = exp(beta*(M_143 + x45));
-        const double e_171 = exp(beta*(M_145 + x45));
-        const double e_172 = exp(beta*(M_146 + x45));
+        const double x50 = -m_168;
+        const double e_169 = exp(beta*(M_140 + x50));
+        const double e_170 = exp(beta*(M_143 + x50));
+        const double e_171 = exp(beta*(M_145 + x50));
+        const double e_172 = exp(beta*(M_146 + x50));
         const double w_173 = (1.0/(e_169 + e_170 + e_171 + e_172));
         const double sig_174 = e_169*w_173;
         const double sig_175 = e_170*w_173;
         const double sig_176 = e_171*w_173;
         const double sig_177 = e_172*w_173;
         const double m_178 = fmax(M_141, fmax(M_144, fmax(M_146, M_147)));
-        const double x46 = -m_178;
-        const double e_179 = exp(beta*(M_141 + x46));
-        const double e_180 = exp(beta*(M_144 + x46));
-        const double e_181 = exp(beta*(M_146 + x46));
-        const double e_182 = exp(beta*(M_147 + x46));
+        const double x51 = -m_178;
+        const double e_179 = exp(beta*(M_141 + x51));
+        const double e_180 = exp(beta*(M_144 + x51));
+        const double e_181 = exp(beta*(M_146 + x51));
+        const double e_182 = exp(beta*(M_147 + x51));
         const double w_183 = (1.0/(e_179 + e_180 + e_181 + e_182));
         const double sig_184 = e_179*w_183;
         const double sig_185 = e_180*w_183;
         const double sig_186 = e_181*w_183;
         const double sig_187 = e_182*w_183;
-        const double x47 = c + sig_154;
-        const double Phi_188 = Phi_130*x47 + sig_106*sig_155 + sig_116*sig_156 + sig_126*sig_157;
-        const double Phi_189 = Phi_131*sig_155 + sig_117*sig_156 + sig_127*sig_157 + sig_97*x47;
-        const double Phi_190 = Phi_132*sig_156 + sig_108*sig_155 + sig_128*sig_157 + sig_98*x47;
-        const double Phi_191 = Phi_133*sig_157 + sig_109*sig_155 + sig_119*sig_156 + sig_99*x47;
-        const double x48 = c + sig_165;
-        const double Phi_192 = Phi_130*sig_164 + sig_106*x48 + sig_116*sig_166 + sig_126*sig_167;
-        const double Phi_193 = Phi_131*x48 + sig_117*sig_166 + sig_127*sig_167 + sig_164*sig_97;
-        const double Phi_194 = Phi_132*sig_166 + sig_108*x48 + sig_128*sig_167 + sig_164*sig_98;
-        const double Phi_195 = Phi_133*sig_167 + sig_109*x48 + sig_119*sig_166 + sig_164*sig_99;
-        const double x49 = c + sig_176;
-        const double Phi_196 = Phi_130*sig_174 + sig_106*sig_175 + sig_116*x49 + sig_126*sig_177;
-        const double Phi_197 = Phi_131*sig_175 + sig_117*x49 + sig_127*sig_177 + sig_174*sig_97;
-        const double Phi_198 = Phi_132*x49 + sig_108*sig_175 + sig_128*sig_177 + sig_174*sig_98;
-        const double Phi_199 = Phi_133*sig_177 + sig_109*sig_175 + sig_119*x49 + sig_174*sig_99;
-        const double x50 = c + sig_187;
-        const double Phi_200 = Phi_130*sig_184 + sig_106*sig_185 + sig_116*sig_186 + sig_126*x50;
-        const double Phi_201 = Phi_131*sig_185 + sig_117*sig_186 + sig_127*x50 + sig_184*sig_97;
-        const double Phi_202 = Phi_132*sig_186 + sig_108*sig_185 + sig_128*x50 + sig_184*sig_98;
-        const double Phi_203 = Phi_133*x50 + sig_109*sig_185 + sig_119*sig_186 + sig_184*sig_99;
-        const double x51 = Phi_194*Phi_196;
-        const double x52 = Phi_195*Phi_200;
-        const double x53 = Phi_192*Phi_193 + x51 + x52;
-        const double x54 = Phi_192*Phi_197;
-        const double x55 = Phi_199*Phi_200;
-        const double x56 = Phi_196*Phi_198 + x54 + x55;
-        const double x57 = Phi_192*Phi_201;
-        const double x58 = Phi_196*Phi_202;
-        const double x59 = Phi_200*Phi_203 + x57 + x58;
-        const double x60 = Phi_189*Phi_192;
-        const double x61 = Phi_190*Phi_196;
-        const double x62 = Phi_191*Phi_200;
-        const double x63 = Phi_198 + Phi_203;
-        const double x64 = -x63;
-        const double x65 = Phi_199*Phi_202;
-        const double x66 = Phi_194*Phi_197;
-        const double x67 = Phi_195*Phi_201;
-        const double x68 = x66 + x67;
-        const double x69 = Phi_199*Phi_201;
-        const double x70 = Phi_197*Phi_202;
-        const double x71 = Phi_198*Phi_203;
-        const double det_204 = -Phi_188*(-Phi_193*(-x65 + x71) - Phi_194*(Phi_197*Phi_198 + x69) - Phi_195*(Phi_201*Phi_203 + x70) - x64*x68) - Phi_189*(Phi_193*x53 + Phi_194*x56 + Phi_195*x59) - Phi_190*(Phi_197*x53 + Phi_198*x56 + Phi_199*x59) - Phi_191*(Phi_201*x53 + Phi_202*x56 + Phi_203*x59) + (-Phi_193 - x63)*(-Phi_189*x53 - Phi_190*x56 - Phi_191*x59) + (-x60 - x61 - x62)*(-Phi_193*x64 + Phi_198*Phi_203 - x65 - x68);
-        const double logdet_205 = log(fabs(det_204));
-        const double idet_206 = (1.0/(det_204));
-        const double x72 = Phi_189*Phi_194;
-        const double x73 = Phi_191*Phi_193;
-        const double x74 = Phi_189*Phi_195;
-        const double x75 = Phi_191*Phi_201;
-        const double h_207 = idet_206*(u_64*(-Phi_193*x65 + Phi_193*x71 + Phi_194*x69 + Phi_195*x70 - Phi_198*x67 - Phi_203*x66) + u_65*(Phi_189*Phi_199*Phi_202 - Phi_189*x71 + Phi_190*Phi_197*Phi_203 - Phi_190*x69 + Phi_191*Phi_198*Phi_201 - Phi_191*x70) + u_66*(-Phi_190*Phi_193*Phi_203 + Phi_190*x67 - Phi_194*x75 + Phi_202*x73 - Phi_202*x74 + Phi_203*x72) + u_67*(Phi_189*Phi_195*Phi_198 + Phi_190*Phi_193*Phi_199 - Phi_190*Phi_195*Phi_197 + Phi_191*Phi_194*Phi_197 - Phi_198*x73 - Phi_199*x72));
-        const double x76 = Phi_188*Phi_194;
-        const double x77 = Phi_191*Phi_192;
-        const double h_208 = idet_206*(u_64*(Phi_192*Phi_199*Phi_202 - Phi_192*x71 + Phi_194*Phi_196*Phi_203 - Phi_194*x55 + Phi_195*Phi_198*Phi_200 - Phi_195*x58) + u_65*(-Phi_188*x65 + Phi_188*x71 + Phi_190*x55 + Phi_191*x58 - Phi_198*x62 - Phi_203*x61) + u_66*(Phi_188*Phi_195*Phi_202 + Phi_190*Phi_192*Phi_203 - Phi_190*x52 + Phi_191*Phi_194*Phi_200 - Phi_202*x77 - Phi_203*x76) + u_67*(-Phi_188*Phi_195*Phi_198 - Phi_190*Phi_192*Phi_199 - Phi_191*x51 + Phi_195*x61 + Phi_198*x77 + Phi_199*x76));
-        const double x78 = Phi_188*Phi_203;
-        const double x79 = Phi_188*Phi_193;
-        const double h_209 = idet_206*(u_64*(-Phi_193*Phi_196*Phi_203 + Phi_193*x55 + Phi_196*x67 - Phi_197*x52 - Phi_199*x57 + Phi_203*x54) + u_65*(Phi_188*Phi_199*Phi_201 + Phi_189*Phi_196*Phi_203 - Phi_189*x55 + Phi_191*Phi_197*Phi_200 - Phi_196*x75 - Phi_197*x78) + u_66*(-Phi_188*x67 + Phi_189*x52 + Phi_191*x57 - Phi_193*x62 + Phi_193*x78 - Phi_203*x60) + u_67*(Phi_188*Phi_195*Phi_197 + Phi_189*Phi_192*Phi_199 + Phi_191*Phi_193*Phi_196 - Phi_191*x54 - Phi_196*x74 - Phi_199*x79));
-        const double x80 = Phi_198*Phi_200;
-        const double h_210 = idet_206*(u_64*(Phi_192*Phi_198*Phi_201 + Phi_193*Phi_196*Phi_202 - Phi_193*x80 + Phi_194*Phi_197*Phi_200 - Phi_201*x51 - Phi_202*x54) + u_65*(-Phi_188*Phi_198*Phi_201 + Phi_188*x70 - Phi_189*x58 + Phi_189*x80 - Phi_190*Phi_197*Phi_200 + Phi_201*x61) + u_66*(Phi_188*Phi_194*Phi_201 + Phi_189*Phi_192*Phi_202 + Phi_190*Phi_193*Phi_200 - Phi_190*x57 - Phi_200*x72 - Phi_202*x79) + u_67*(-Phi_188*x66 + Phi_189*x51 + Phi_190*x54 - Phi_193*x61 - Phi_198*x60 + Phi_198*x79));
+        const double piv_188 = x44;
+        const double x52 = (1.0/(piv_188));
+        const double x53 = fabs(piv_188) > 1.0261342003245941e-289;
+        const double mul_189 = ((x53) ? (
+       sig_106*x52
+    )
+    : (
+       0
+    ));
+        const double schur_190 = -mul_189*sig_97 + x45;
+        const double schur_191 = -mul_189*sig_98 + sig_108;
+        const double schur_192 = -mul_189*sig_99 + sig_109;
+        const double mul_193 = ((x53) ? (
+       sig_116*x52
+    )
+    : (
+       0
+    ));
+        const double schur_194 = -mul_193*sig_97 + sig_117;
+        const double schur_195 = -mul_193*sig_98 + x46;
+        const double schur_196 = -mul_193*sig_99 + sig_119;
+        const double mul_197 = ((x53) ? (
+       sig_126*x52
+    )
+    : (
+       0
+    ));
+        const double schur_198 = -mul_197*sig_97 + sig_127;
+        const double schur_199 = -mul_197*sig_98 + sig_128;
+        const double schur_200 = -mul_197*sig_99 + x47;
+        const double x54 = (1.0/(schur_190));
+        const double x55 = fabs(schur_190) > 1.0261342003245941e-289;
+        const double mul_201 = ((x55) ? (
+       schur_194*x54
+    )
+    : (
+       0
+    ));
+        const double schur_202 = -mul_201*schur_191 + schur_195;
+        const double schur_203 = -mul_201*schur_192 + schur_196;
+        const double mul_204 = ((x55) ? (
+       schur_198*x54
+    )
+    : (
+       0
+    ));
+        const double schur_205 = -mul_204*schur_191 + schur_199;
+        const double schur_206 = -mul_204*schur_192 + schur_200;
+        const double x56 = (1.0/(schur_202));
+        const double mul_207 = ((fabs(schur_202) > 1.0261342003245941e-289) ? (
+       schur_205*x56
+    )
+    : (
+       0
+    ));
+        const double schur_208 = -mul_207*schur_203 + schur_206;
+        const double ldet_209 = log(fabs(piv_188*schur_190*schur_202*schur_208));
+        const double piv_210 = c + sig_154;
+        const double x57 = (1.0/(piv_210));
+        const double x58 = fabs(piv_210) > 1.0261342003245941e-289;
+        const double mul_211 = ((x58) ? (
+       sig_164*x57
+    )
+    : (
+       0
+    ));
+        const double schur_212 = c - mul_211*sig_155 + sig_165;
+        const double schur_213 = -mul_211*sig_156 + sig_166;
+        const double schur_214 = -mul_211*sig_157 + sig_167;
+        const double mul_215 = ((x58) ? (
+       sig_174*x57
+    )
+    : (
+       0
+    ));
+        const double schur_216 = -mul_215*sig_155 + sig_175;
+        const double schur_217 = c - mul_215*sig_156 + sig_176;
+        const double schur_218 = -mul_215*sig_157 + sig_177;
+        const double mul_219 = ((x58) ? (
+       sig_184*x57
+    )
+    : (
+       0
+    ));
+        const double schur_220 = -mul_219*sig_155 + sig_185;
+        const double schur_221 = -mul_219*sig_156 + sig_186;
+        const double schur_222 = c - mul_219*sig_157 + sig_187;
+        const double x59 = (1.0/(schur_212));
+        const double x60 = fabs(schur_212) > 1.0261342003245941e-289;
+        const double mul_223 = ((x60) ? (
+       schur_216*x59
+    )
+    : (
+       0
+    ));
+        const double schur_224 = -mul_223*schur_213 + schur_217;
+        const double schur_225 = -mul_223*schur_214 + schur_218;
+        const double mul_226 = ((x60) ? (
+       schur_220*x59
+    )
+    : (
+       0
+    ));
+        const double schur_227 = -mul_226*schur_213 + schur_221;
+        const double schur_228 = -mul_226*schur_214 + schur_222;
+        const double x61 = (1.0/(schur_224));
+        const double mul_229 = ((fabs(schur_224) > 1.0261342003245941e-289) ? (
+       schur_227*x61
+    )
+    : (
+       0
+    ));
+        const double schur_230 = -mul_229*schur_225 + schur_228;
+        const double ldet_231 = log(fabs(piv_210*schur_212*schur_224*schur_230));
+        const double logdet_232 = ldet_209 + ldet_231;
+        const double fwd_233 = -mul_211*u_64 - x31;
+        const double fwd_234 = -fwd_233*mul_223 - mul_215*u_64 - x33;
+        const double fwd_235 = -fwd_233*mul_226 - fwd_234*mul_229 - mul_219*u_64 - x35;
+        const double bwd_236 = fwd_235/schur_230;
+        const double bwd_237 = x61*(-bwd_236*schur_225 + fwd_234);
+        const double bwd_238 = x59*(-bwd_236*schur_214 - bwd_237*schur_213 + fwd_233);
+        const double bwd_239 = x57*(-bwd_236*sig_157 - bwd_237*sig_156 - bwd_238*sig_155 + u_64);
+        const double fwd_240 = bwd_238 - bwd_239*mul_189;
+        const double fwd_241 = bwd_237 - bwd_239*mul_193 - fwd_240*mul_201;
+        const double fwd_242 = bwd_236 - bwd_239*mul_197 - fwd_240*mul_204 - fwd_241*mul_207;
+        const double bwd_243 = fwd_242/schur_208;
+        const double bwd_244 = x56*(-bwd_243*schur_203 + fwd_241);
+        const double bwd_245 = x54*(-bwd_243*schur_192 - bwd_244*schur_191 + fwd_240);
+        const double bwd_246 = x52*(bwd_239 - bwd_243*sig_99 - bwd_244*sig_98 - bwd_245*sig_97);
         out[0] = u_64;
         out[1] = u_65;
         out[2] = u_66;
         out[3] = u_67;
-        out[4] = h_207;
-        out[5] = h_208;
-        out[6] = h_209;
-        out[7] = h_210;
-        out[8] = logdet_205;
+        out[4] = bwd_246;
+        out[5] = bwd_245;
+        out[6] = bwd_244;
+        out[7] = bwd_243;
+        out[8] = logdet_232;
         out[9] = res_68;
         out[10] = res_69;
         out[11] = res_70;
@@ -3642,10 +4373,14 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
+        const double x4 = c + sig_16;
+        const double Phi_50 = x4;
+        const double x5 = c + sig_27;
+        const double Phi_51 = x5;
+        const double x6 = c + sig_38;
+        const double Phi_52 = x6;
+        const double x7 = c + sig_49;
+        const double Phi_53 = x7;
         const double u_54 = Phi_50*z_1_0 + sig_17*z_1_1 + sig_18*z_1_2 + sig_19*z_1_3;
         const double u_55 = Phi_51*z_1_1 + sig_26*z_1_0 + sig_28*z_1_2 + sig_29*z_1_3;
         const double u_56 = Phi_52*z_1_2 + sig_36*z_1_0 + sig_37*z_1_1 + sig_39*z_1_3;
@@ -3661,111 +4396,183 @@ cdef extern from *:
         const double M_66 = u_56*u_57;
         const double M_67 = (u_57*u_57);
         const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
-        const double x4 = -m_68;
-        const double e_69 = exp(beta*(M_58 + x4));
-        const double e_70 = exp(beta*(M_59 + x4));
-        const double e_71 = exp(beta*(M_60 + x4));
-        const double e_72 = exp(beta*(M_61 + x4));
+        const double x8 = -m_68;
+        const double e_69 = exp(beta*(M_58 + x8));
+        const double e_70 = exp(beta*(M_59 + x8));
+        const double e_71 = exp(beta*(M_60 + x8));
+        const double e_72 = exp(beta*(M_61 + x8));
         const double w_73 = (1.0/(e_69 + e_70 + e_71 + e_72));
         const double sig_74 = e_69*w_73;
         const double sig_75 = e_70*w_73;
         const double sig_76 = e_71*w_73;
         const double sig_77 = e_72*w_73;
         const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
-        const double x5 = -m_78;
-        const double e_79 = exp(beta*(M_59 + x5));
-        const double e_80 = exp(beta*(M_62 + x5));
-        const double e_81 = exp(beta*(M_63 + x5));
-        const double e_82 = exp(beta*(M_64 + x5));
+        const double x9 = -m_78;
+        const double e_79 = exp(beta*(M_59 + x9));
+        const double e_80 = exp(beta*(M_62 + x9));
+        const double e_81 = exp(beta*(M_63 + x9));
+        const double e_82 = exp(beta*(M_64 + x9));
         const double w_83 = (1.0/(e_79 + e_80 + e_81 + e_82));
         const double sig_84 = e_79*w_83;
         const double sig_85 = e_80*w_83;
         const double sig_86 = e_81*w_83;
         const double sig_87 = e_82*w_83;
         const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
-        const double x6 = -m_88;
-        const double e_89 = exp(beta*(M_60 + x6));
-        const double e_90 = exp(beta*(M_63 + x6));
-        const double e_91 = exp(beta*(M_65 + x6));
-        const double e_92 = exp(beta*(M_66 + x6));
+        const double x10 = -m_88;
+        const double e_89 = exp(beta*(M_60 + x10));
+        const double e_90 = exp(beta*(M_63 + x10));
+        const double e_91 = exp(beta*(M_65 + x10));
+        const double e_92 = exp(beta*(M_66 + x10));
         const double w_93 = (1.0/(e_89 + e_90 + e_91 + e_92));
         const double sig_94 = e_89*w_93;
         const double sig_95 = e_90*w_93;
         const double sig_96 = e_91*w_93;
         const double sig_97 = e_92*w_93;
         const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
-        const double x7 = -m_98;
-        const double e_99 = exp(beta*(M_61 + x7));
-        const double e_100 = exp(beta*(M_64 + x7));
-        const double e_101 = exp(beta*(M_66 + x7));
-        const double e_102 = exp(beta*(M_67 + x7));
+        const double x11 = -m_98;
+        const double e_99 = exp(beta*(M_61 + x11));
+        const double e_100 = exp(beta*(M_64 + x11));
+        const double e_101 = exp(beta*(M_66 + x11));
+        const double e_102 = exp(beta*(M_67 + x11));
         const double w_103 = (1.0/(e_100 + e_101 + e_102 + e_99));
         const double sig_104 = e_99*w_103;
         const double sig_105 = e_100*w_103;
         const double sig_106 = e_101*w_103;
         const double sig_107 = e_102*w_103;
-        const double x8 = c + sig_74;
-        const double Phi_108 = Phi_50*x8 + sig_26*sig_75 + sig_36*sig_76 + sig_46*sig_77;
-        const double Phi_109 = Phi_51*sig_75 + sig_17*x8 + sig_37*sig_76 + sig_47*sig_77;
-        const double Phi_110 = Phi_52*sig_76 + sig_18*x8 + sig_28*sig_75 + sig_48*sig_77;
-        const double Phi_111 = Phi_53*sig_77 + sig_19*x8 + sig_29*sig_75 + sig_39*sig_76;
-        const double x9 = c + sig_85;
-        const double Phi_112 = Phi_50*sig_84 + sig_26*x9 + sig_36*sig_86 + sig_46*sig_87;
-        const double Phi_113 = Phi_51*x9 + sig_17*sig_84 + sig_37*sig_86 + sig_47*sig_87;
-        const double Phi_114 = Phi_52*sig_86 + sig_18*sig_84 + sig_28*x9 + sig_48*sig_87;
-        const double Phi_115 = Phi_53*sig_87 + sig_19*sig_84 + sig_29*x9 + sig_39*sig_86;
-        const double x10 = c + sig_96;
-        const double Phi_116 = Phi_50*sig_94 + sig_26*sig_95 + sig_36*x10 + sig_46*sig_97;
-        const double Phi_117 = Phi_51*sig_95 + sig_17*sig_94 + sig_37*x10 + sig_47*sig_97;
-        const double Phi_118 = Phi_52*x10 + sig_18*sig_94 + sig_28*sig_95 + sig_48*sig_97;
-        const double Phi_119 = Phi_53*sig_97 + sig_19*sig_94 + sig_29*sig_95 + sig_39*x10;
-        const double x11 = c + sig_107;
-        const double Phi_120 = Phi_50*sig_104 + sig_105*sig_26 + sig_106*sig_36 + sig_46*x11;
-        const double Phi_121 = Phi_51*sig_105 + sig_104*sig_17 + sig_106*sig_37 + sig_47*x11;
-        const double Phi_122 = Phi_52*sig_106 + sig_104*sig_18 + sig_105*sig_28 + sig_48*x11;
-        const double Phi_123 = Phi_53*x11 + sig_104*sig_19 + sig_105*sig_29 + sig_106*sig_39;
-        const double x12 = Phi_114*Phi_116;
-        const double x13 = Phi_115*Phi_120;
-        const double x14 = Phi_112*Phi_113 + x12 + x13;
-        const double x15 = Phi_112*Phi_117;
-        const double x16 = Phi_119*Phi_120;
-        const double x17 = Phi_116*Phi_118 + x15 + x16;
-        const double x18 = Phi_112*Phi_121;
-        const double x19 = Phi_116*Phi_122;
-        const double x20 = Phi_120*Phi_123 + x18 + x19;
-        const double x21 = Phi_109*Phi_112;
-        const double x22 = Phi_110*Phi_116;
-        const double x23 = Phi_111*Phi_120;
-        const double x24 = Phi_118 + Phi_123;
-        const double x25 = -x24;
-        const double x26 = Phi_119*Phi_122;
-        const double x27 = Phi_114*Phi_117;
-        const double x28 = Phi_115*Phi_121;
-        const double x29 = x27 + x28;
-        const double x30 = Phi_119*Phi_121;
-        const double x31 = Phi_117*Phi_122;
-        const double x32 = Phi_118*Phi_123;
-        const double det_124 = -Phi_108*(-Phi_113*(-x26 + x32) - Phi_114*(Phi_117*Phi_118 + x30) - Phi_115*(Phi_121*Phi_123 + x31) - x25*x29) - Phi_109*(Phi_113*x14 + Phi_114*x17 + Phi_115*x20) - Phi_110*(Phi_117*x14 + Phi_118*x17 + Phi_119*x20) - Phi_111*(Phi_121*x14 + Phi_122*x17 + Phi_123*x20) + (-Phi_113 - x24)*(-Phi_109*x14 - Phi_110*x17 - Phi_111*x20) + (-x21 - x22 - x23)*(-Phi_113*x25 + Phi_118*Phi_123 - x26 - x29);
-        const double logdet_125 = log(fabs(det_124));
-        const double idet_126 = (1.0/(det_124));
-        const double x33 = Phi_109*Phi_114;
-        const double x34 = Phi_111*Phi_113;
-        const double x35 = Phi_109*Phi_115;
-        const double x36 = Phi_111*Phi_121;
-        const double h_127 = idet_126*(u_0_0*(-Phi_113*x26 + Phi_113*x32 + Phi_114*x30 + Phi_115*x31 - Phi_118*x28 - Phi_123*x27) + u_1_0*(Phi_109*Phi_119*Phi_122 - Phi_109*x32 + Phi_110*Phi_117*Phi_123 - Phi_110*x30 + Phi_111*Phi_118*Phi_121 - Phi_111*x31) + u_2_0*(-Phi_110*Phi_113*Phi_123 + Phi_110*x28 - Phi_114*x36 + Phi_122*x34 - Phi_122*x35 + Phi_123*x33) + u_3_0*(Phi_109*Phi_115*Phi_118 + Phi_110*Phi_113*Phi_119 - Phi_110*Phi_115*Phi_117 + Phi_111*Phi_114*Phi_117 - Phi_118*x34 - Phi_119*x33));
-        const double x37 = Phi_108*Phi_114;
-        const double x38 = Phi_111*Phi_112;
-        const double h_128 = idet_126*(u_0_0*(Phi_112*Phi_119*Phi_122 - Phi_112*x32 + Phi_114*Phi_116*Phi_123 - Phi_114*x16 + Phi_115*Phi_118*Phi_120 - Phi_115*x19) + u_1_0*(-Phi_108*x26 + Phi_108*x32 + Phi_110*x16 + Phi_111*x19 - Phi_118*x23 - Phi_123*x22) + u_2_0*(Phi_108*Phi_115*Phi_122 + Phi_110*Phi_112*Phi_123 - Phi_110*x13 + Phi_111*Phi_114*Phi_120 - Phi_122*x38 - Phi_123*x37) + u_3_0*(-Phi_108*Phi_115*Phi_118 - Phi_110*Phi_112*Phi_119 - Phi_111*x12 + Phi_115*x22 + Phi_118*x38 + Phi_119*x37));
-        const double x39 = Phi_108*Phi_123;
-        const double x40 = Phi_108*Phi_113;
-        const double h_129 = idet_126*(u_0_0*(-Phi_113*Phi_116*Phi_123 + Phi_113*x16 + Phi_116*x28 - Phi_117*x13 - Phi_119*x18 + Phi_123*x15) + u_1_0*(Phi_108*Phi_119*Phi_121 + Phi_109*Phi_116*Phi_123 - Phi_109*x16 + Phi_111*Phi_117*Phi_120 - Phi_116*x36 - Phi_117*x39) + u_2_0*(-Phi_108*x28 + Phi_109*x13 + Phi_111*x18 - Phi_113*x23 + Phi_113*x39 - Phi_123*x21) + u_3_0*(Phi_108*Phi_115*Phi_117 + Phi_109*Phi_112*Phi_119 + Phi_111*Phi_113*Phi_116 - Phi_111*x15 - Phi_116*x35 - Phi_119*x40));
-        const double x41 = Phi_118*Phi_120;
-        const double h_130 = idet_126*(u_0_0*(Phi_112*Phi_118*Phi_121 + Phi_113*Phi_116*Phi_122 - Phi_113*x41 + Phi_114*Phi_117*Phi_120 - Phi_121*x12 - Phi_122*x15) + u_1_0*(-Phi_108*Phi_118*Phi_121 + Phi_108*x31 - Phi_109*x19 + Phi_109*x41 - Phi_110*Phi_117*Phi_120 + Phi_121*x22) + u_2_0*(Phi_108*Phi_114*Phi_121 + Phi_109*Phi_112*Phi_122 + Phi_110*Phi_113*Phi_120 - Phi_110*x18 - Phi_120*x33 - Phi_122*x40) + u_3_0*(-Phi_108*x27 + Phi_109*x12 + Phi_110*x15 - Phi_113*x22 - Phi_118*x21 + Phi_118*x40));
-        out[0] = h_127;
-        out[1] = h_128;
-        out[2] = h_129;
-        out[3] = h_130;
-        out[4] = logdet_125;
+        const double piv_108 = x4;
+        const double x12 = (1.0/(piv_108));
+        const double x13 = fabs(piv_108) > 1.0261342003245941e-289;
+        const double mul_109 = ((x13) ? (
+       sig_26*x12
+    )
+    : (
+       0
+    ));
+        const double schur_110 = -mul_109*sig_17 + x5;
+        const double schur_111 = -mul_109*sig_18 + sig_28;
+        const double schur_112 = -mul_109*sig_19 + sig_29;
+        const double mul_113 = ((x13) ? (
+       sig_36*x12
+    )
+    : (
+       0
+    ));
+        const double schur_114 = -mul_113*sig_17 + sig_37;
+        const double schur_115 = -mul_113*sig_18 + x6;
+        const double schur_116 = -mul_113*sig_19 + sig_39;
+        const double mul_117 = ((x13) ? (
+       sig_46*x12
+    )
+    : (
+       0
+    ));
+        const double schur_118 = -mul_117*sig_17 + sig_47;
+        const double schur_119 = -mul_117*sig_18 + sig_48;
+        const double schur_120 = -mul_117*sig_19 + x7;
+        const double x14 = (1.0/(schur_110));
+        const double x15 = fabs(schur_110) > 1.0261342003245941e-289;
+        const double mul_121 = ((x15) ? (
+       schur_114*x14
+    )
+    : (
+       0
+    ));
+        const double schur_122 = -mul_121*schur_111 + schur_115;
+        const double schur_123 = -mul_121*schur_112 + schur_116;
+        const double mul_124 = ((x15) ? (
+       schur_118*x14
+    )
+    : (
+       0
+    ));
+        const double schur_125 = -mul_124*schur_111 + schur_119;
+        const double schur_126 = -mul_124*schur_112 + schur_120;
+        const double x16 = (1.0/(schur_122));
+        const double mul_127 = ((fabs(schur_122) > 1.0261342003245941e-289) ? (
+       schur_125*x16
+    )
+    : (
+       0
+    ));
+        const double schur_128 = -mul_127*schur_123 + schur_126;
+        const double ldet_129 = log(fabs(piv_108*schur_110*schur_122*schur_128));
+        const double piv_130 = c + sig_74;
+        const double x17 = (1.0/(piv_130));
+        const double x18 = fabs(piv_130) > 1.0261342003245941e-289;
+        const double mul_131 = ((x18) ? (
+       sig_84*x17
+    )
+    : (
+       0
+    ));
+        const double schur_132 = c - mul_131*sig_75 + sig_85;
+        const double schur_133 = -mul_131*sig_76 + sig_86;
+        const double schur_134 = -mul_131*sig_77 + sig_87;
+        const double mul_135 = ((x18) ? (
+       sig_94*x17
+    )
+    : (
+       0
+    ));
+        const double schur_136 = -mul_135*sig_75 + sig_95;
+        const double schur_137 = c - mul_135*sig_76 + sig_96;
+        const double schur_138 = -mul_135*sig_77 + sig_97;
+        const double mul_139 = ((x18) ? (
+       sig_104*x17
+    )
+    : (
+       0
+    ));
+        const double schur_140 = -mul_139*sig_75 + sig_105;
+        const double schur_141 = -mul_139*sig_76 + sig_106;
+        const double schur_142 = c - mul_139*sig_77 + sig_107;
+        const double x19 = (1.0/(schur_132));
+        const double x20 = fabs(schur_132) > 1.0261342003245941e-289;
+        const double mul_143 = ((x20) ? (
+       schur_136*x19
+    )
+    : (
+       0
+    ));
+        const double schur_144 = -mul_143*schur_133 + schur_137;
+        const double schur_145 = -mul_143*schur_134 + schur_138;
+        const double mul_146 = ((x20) ? (
+       schur_140*x19
+    )
+    : (
+       0
+    ));
+        const double schur_147 = -mul_146*schur_133 + schur_141;
+        const double schur_148 = -mul_146*schur_134 + schur_142;
+        const double x21 = (1.0/(schur_144));
+        const double mul_149 = ((fabs(schur_144) > 1.0261342003245941e-289) ? (
+       schur_147*x21
+    )
+    : (
+       0
+    ));
+        const double schur_150 = -mul_149*schur_145 + schur_148;
+        const double ldet_151 = log(fabs(piv_130*schur_132*schur_144*schur_150));
+        const double logdet_152 = ldet_129 + ldet_151;
+        const double fwd_153 = -mul_131*u_0_0 + u_1_0;
+        const double fwd_154 = -fwd_153*mul_143 - mul_135*u_0_0 + u_2_0;
+        const double fwd_155 = -fwd_153*mul_146 - fwd_154*mul_149 - mul_139*u_0_0 + u_3_0;
+        const double bwd_156 = fwd_155/schur_150;
+        const double bwd_157 = x21*(-bwd_156*schur_145 + fwd_154);
+        const double bwd_158 = x19*(-bwd_156*schur_134 - bwd_157*schur_133 + fwd_153);
+        const double bwd_159 = x17*(-bwd_156*sig_77 - bwd_157*sig_76 - bwd_158*sig_75 + u_0_0);
+        const double fwd_160 = bwd_158 - bwd_159*mul_109;
+        const double fwd_161 = bwd_157 - bwd_159*mul_113 - fwd_160*mul_121;
+        const double fwd_162 = bwd_156 - bwd_159*mul_117 - fwd_160*mul_124 - fwd_161*mul_127;
+        const double bwd_163 = fwd_162/schur_128;
+        const double bwd_164 = x16*(-bwd_163*schur_123 + fwd_161);
+        const double bwd_165 = x14*(-bwd_163*schur_112 - bwd_164*schur_111 + fwd_160);
+        const double bwd_166 = x12*(bwd_159 - bwd_163*sig_19 - bwd_164*sig_18 - bwd_165*sig_17);
+        out[0] = bwd_166;
+        out[1] = bwd_165;
+        out[2] = bwd_164;
+        out[3] = bwd_163;
+        out[4] = logdet_152;
     }
     static void attention_tied_softmax_L3_T4_r1_node_jacobian(const double *in, const double *par, double *out)
     {
@@ -3784,19 +4591,19 @@ cdef extern from *:
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
-        const double p_131 = 2*z_0_0;
+        const double p_167 = 2*z_0_0;
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = z_0_0*z_0_2;
         const double M_3 = z_0_0*z_0_3;
         const double M_4 = (z_0_1*z_0_1);
-        const double p_132 = 2*z_0_1;
+        const double p_168 = 2*z_0_1;
         const double M_5 = z_0_1*z_0_2;
         const double M_6 = z_0_1*z_0_3;
         const double M_7 = (z_0_2*z_0_2);
-        const double p_133 = 2*z_0_2;
+        const double p_169 = 2*z_0_2;
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double p_134 = 2*z_0_3;
+        const double p_170 = 2*z_0_3;
         const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
@@ -3809,50 +4616,50 @@ cdef extern from *:
         const double sig_16 = e_11*w_15;
         const double x3 = beta*(w_15*w_15);
         const double x4 = e_11*x3;
-        const double p_135 = x2*x4;
+        const double p_171 = x2*x4;
         const double x5 = -e_12*x4;
-        const double p_136 = x5;
+        const double p_172 = x5;
         const double x6 = -e_13*x4;
-        const double p_137 = x6;
+        const double p_173 = x6;
         const double x7 = -e_14*x4;
-        const double p_138 = x7;
-        const double d_139 = p_131*p_135 + p_136*z_0_1 + p_137*z_0_2 + p_138*z_0_3;
-        const double d_140 = p_136*z_0_0;
-        const double d_141 = p_137*z_0_0;
-        const double d_142 = p_138*z_0_0;
+        const double p_174 = x7;
+        const double d_175 = p_167*p_171 + p_172*z_0_1 + p_173*z_0_2 + p_174*z_0_3;
+        const double d_176 = p_172*z_0_0;
+        const double d_177 = p_173*z_0_0;
+        const double d_178 = p_174*z_0_0;
         const double sig_17 = e_12*w_15;
-        const double p_143 = x5;
+        const double p_179 = x5;
         const double x8 = e_12*x3;
-        const double p_144 = x8*(e_11 + x1);
+        const double p_180 = x8*(e_11 + x1);
         const double x9 = -e_13*x8;
-        const double p_145 = x9;
+        const double p_181 = x9;
         const double x10 = -e_14*x8;
-        const double p_146 = x10;
-        const double d_147 = p_131*p_143 + p_144*z_0_1 + p_145*z_0_2 + p_146*z_0_3;
-        const double d_148 = p_144*z_0_0;
-        const double d_149 = p_145*z_0_0;
-        const double d_150 = p_146*z_0_0;
+        const double p_182 = x10;
+        const double d_183 = p_167*p_179 + p_180*z_0_1 + p_181*z_0_2 + p_182*z_0_3;
+        const double d_184 = p_180*z_0_0;
+        const double d_185 = p_181*z_0_0;
+        const double d_186 = p_182*z_0_0;
         const double sig_18 = e_13*w_15;
-        const double p_151 = x6;
-        const double p_152 = x9;
+        const double p_187 = x6;
+        const double p_188 = x9;
         const double x11 = e_11 + e_12;
         const double x12 = e_13*x3;
-        const double p_153 = x12*(e_14 + x11);
+        const double p_189 = x12*(e_14 + x11);
         const double x13 = -e_14*x12;
-        const double p_154 = x13;
-        const double d_155 = p_131*p_151 + p_152*z_0_1 + p_153*z_0_2 + p_154*z_0_3;
-        const double d_156 = p_152*z_0_0;
-        const double d_157 = p_153*z_0_0;
-        const double d_158 = p_154*z_0_0;
+        const double p_190 = x13;
+        const double d_191 = p_167*p_187 + p_188*z_0_1 + p_189*z_0_2 + p_190*z_0_3;
+        const double d_192 = p_188*z_0_0;
+        const double d_193 = p_189*z_0_0;
+        const double d_194 = p_190*z_0_0;
         const double sig_19 = e_14*w_15;
-        const double p_159 = x7;
-        const double p_160 = x10;
-        const double p_161 = x13;
-        const double p_162 = e_14*x3*(e_13 + x11);
-        const double d_163 = p_131*p_159 + p_160*z_0_1 + p_161*z_0_2 + p_162*z_0_3;
-        const double d_164 = p_160*z_0_0;
-        const double d_165 = p_161*z_0_0;
-        const double d_166 = p_162*z_0_0;
+        const double p_195 = x7;
+        const double p_196 = x10;
+        const double p_197 = x13;
+        const double p_198 = e_14*x3*(e_13 + x11);
+        const double d_199 = p_167*p_195 + p_196*z_0_1 + p_197*z_0_2 + p_198*z_0_3;
+        const double d_200 = p_196*z_0_0;
+        const double d_201 = p_197*z_0_0;
+        const double d_202 = p_198*z_0_0;
         const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
@@ -3865,50 +4672,50 @@ cdef extern from *:
         const double sig_26 = e_21*w_25;
         const double x17 = beta*(w_25*w_25);
         const double x18 = e_21*x17;
-        const double p_167 = x16*x18;
+        const double p_203 = x16*x18;
         const double x19 = -e_22*x18;
-        const double p_168 = x19;
+        const double p_204 = x19;
         const double x20 = -e_23*x18;
-        const double p_169 = x20;
+        const double p_205 = x20;
         const double x21 = -e_24*x18;
-        const double p_170 = x21;
-        const double d_171 = p_167*z_0_1;
-        const double d_172 = p_132*p_168 + p_167*z_0_0 + p_169*z_0_2 + p_170*z_0_3;
-        const double d_173 = p_169*z_0_1;
-        const double d_174 = p_170*z_0_1;
+        const double p_206 = x21;
+        const double d_207 = p_203*z_0_1;
+        const double d_208 = p_168*p_204 + p_203*z_0_0 + p_205*z_0_2 + p_206*z_0_3;
+        const double d_209 = p_205*z_0_1;
+        const double d_210 = p_206*z_0_1;
         const double sig_27 = e_22*w_25;
-        const double p_175 = x19;
+        const double p_211 = x19;
         const double x22 = e_22*x17;
-        const double p_176 = x22*(e_21 + x15);
+        const double p_212 = x22*(e_21 + x15);
         const double x23 = -e_23*x22;
-        const double p_177 = x23;
+        const double p_213 = x23;
         const double x24 = -e_24*x22;
-        const double p_178 = x24;
-        const double d_179 = p_175*z_0_1;
-        const double d_180 = p_132*p_176 + p_175*z_0_0 + p_177*z_0_2 + p_178*z_0_3;
-        const double d_181 = p_177*z_0_1;
-        const double d_182 = p_178*z_0_1;
+        const double p_214 = x24;
+        const double d_215 = p_211*z_0_1;
+        const double d_216 = p_168*p_212 + p_211*z_0_0 + p_213*z_0_2 + p_214*z_0_3;
+        const double d_217 = p_213*z_0_1;
+        const double d_218 = p_214*z_0_1;
         const double sig_28 = e_23*w_25;
-        const double p_183 = x20;
-        const double p_184 = x23;
+        const double p_219 = x20;
+        const double p_220 = x23;
         const double x25 = e_21 + e_22;
         const double x26 = e_23*x17;
-        const double p_185 = x26*(e_24 + x25);
+        const double p_221 = x26*(e_24 + x25);
         const double x27 = -e_24*x26;
-        const double p_186 = x27;
-        const double d_187 = p_183*z_0_1;
-        const double d_188 = p_132*p_184 + p_183*z_0_0 + p_185*z_0_2 + p_186*z_0_3;
-        const double d_189 = p_185*z_0_1;
-        const double d_190 = p_186*z_0_1;
+        const double p_222 = x27;
+        const double d_223 = p_219*z_0_1;
+        const double d_224 = p_168*p_220 + p_219*z_0_0 + p_221*z_0_2 + p_222*z_0_3;
+        const double d_225 = p_221*z_0_1;
+        const double d_226 = p_222*z_0_1;
         const double sig_29 = e_24*w_25;
-        const double p_191 = x21;
-        const double p_192 = x24;
-        const double p_193 = x27;
-        const double p_194 = e_24*x17*(e_23 + x25);
-        const double d_195 = p_191*z_0_1;
-        const double d_196 = p_132*p_192 + p_191*z_0_0 + p_193*z_0_2 + p_194*z_0_3;
-        const double d_197 = p_193*z_0_1;
-        const double d_198 = p_194*z_0_1;
+        const double p_227 = x21;
+        const double p_228 = x24;
+        const double p_229 = x27;
+        const double p_230 = e_24*x17*(e_23 + x25);
+        const double d_231 = p_227*z_0_1;
+        const double d_232 = p_168*p_228 + p_227*z_0_0 + p_229*z_0_2 + p_230*z_0_3;
+        const double d_233 = p_229*z_0_1;
+        const double d_234 = p_230*z_0_1;
         const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
@@ -3921,50 +4728,50 @@ cdef extern from *:
         const double sig_36 = e_31*w_35;
         const double x31 = beta*(w_35*w_35);
         const double x32 = e_31*x31;
-        const double p_199 = x30*x32;
+        const double p_235 = x30*x32;
         const double x33 = -e_32*x32;
-        const double p_200 = x33;
+        const double p_236 = x33;
         const double x34 = -e_33*x32;
-        const double p_201 = x34;
+        const double p_237 = x34;
         const double x35 = -e_34*x32;
-        const double p_202 = x35;
-        const double d_203 = p_199*z_0_2;
-        const double d_204 = p_200*z_0_2;
-        const double d_205 = p_133*p_201 + p_199*z_0_0 + p_200*z_0_1 + p_202*z_0_3;
-        const double d_206 = p_202*z_0_2;
+        const double p_238 = x35;
+        const double d_239 = p_235*z_0_2;
+        const double d_240 = p_236*z_0_2;
+        const double d_241 = p_169*p_237 + p_235*z_0_0 + p_236*z_0_1 + p_238*z_0_3;
+        const double d_242 = p_238*z_0_2;
         const double sig_37 = e_32*w_35;
-        const double p_207 = x33;
+        const double p_243 = x33;
         const double x36 = e_32*x31;
-        const double p_208 = x36*(e_31 + x29);
+        const double p_244 = x36*(e_31 + x29);
         const double x37 = -e_33*x36;
-        const double p_209 = x37;
+        const double p_245 = x37;
         const double x38 = -e_34*x36;
-        const double p_210 = x38;
-        const double d_211 = p_207*z_0_2;
-        const double d_212 = p_208*z_0_2;
-        const double d_213 = p_133*p_209 + p_207*z_0_0 + p_208*z_0_1 + p_210*z_0_3;
-        const double d_214 = p_210*z_0_2;
+        const double p_246 = x38;
+        const double d_247 = p_243*z_0_2;
+        const double d_248 = p_244*z_0_2;
+        const double d_249 = p_169*p_245 + p_243*z_0_0 + p_244*z_0_1 + p_246*z_0_3;
+        const double d_250 = p_246*z_0_2;
         const double sig_38 = e_33*w_35;
-        const double p_215 = x34;
-        const double p_216 = x37;
+        const double p_251 = x34;
+        const double p_252 = x37;
         const double x39 = e_31 + e_32;
         const double x40 = e_33*x31;
-        const double p_217 = x40*(e_34 + x39);
+        const double p_253 = x40*(e_34 + x39);
         const double x41 = -e_34*x40;
-        const double p_218 = x41;
-        const double d_219 = p_215*z_0_2;
-        const double d_220 = p_216*z_0_2;
-        const double d_221 = p_133*p_217 + p_215*z_0_0 + p_216*z_0_1 + p_218*z_0_3;
-        const double d_222 = p_218*z_0_2;
+        const double p_254 = x41;
+        const double d_255 = p_251*z_0_2;
+        const double d_256 = p_252*z_0_2;
+        const double d_257 = p_169*p_253 + p_251*z_0_0 + p_252*z_0_1 + p_254*z_0_3;
+        const double d_258 = p_254*z_0_2;
         const double sig_39 = e_34*w_35;
-        const double p_223 = x35;
-        const double p_224 = x38;
-        const double p_225 = x41;
-        const double p_226 = e_34*x31*(e_33 + x39);
-        const double d_227 = p_223*z_0_2;
-        const double d_228 = p_224*z_0_2;
-        const double d_229 = p_133*p_225 + p_223*z_0_0 + p_224*z_0_1 + p_226*z_0_3;
-        const double d_230 = p_226*z_0_2;
+        const double p_259 = x35;
+        const double p_260 = x38;
+        const double p_261 = x41;
+        const double p_262 = e_34*x31*(e_33 + x39);
+        const double d_263 = p_259*z_0_2;
+        const double d_264 = p_260*z_0_2;
+        const double d_265 = p_169*p_261 + p_259*z_0_0 + p_260*z_0_1 + p_262*z_0_3;
+        const double d_266 = p_262*z_0_2;
         const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
@@ -3977,955 +4784,1298 @@ cdef extern from *:
         const double sig_46 = e_41*w_45;
         const double x45 = beta*(w_45*w_45);
         const double x46 = e_41*x45;
-        const double p_231 = x44*x46;
+        const double p_267 = x44*x46;
         const double x47 = -e_42*x46;
-        const double p_232 = x47;
+        const double p_268 = x47;
         const double x48 = -e_43*x46;
-        const double p_233 = x48;
+        const double p_269 = x48;
         const double x49 = -e_44*x46;
-        const double p_234 = x49;
-        const double d_235 = p_231*z_0_3;
-        const double d_236 = p_232*z_0_3;
-        const double d_237 = p_233*z_0_3;
-        const double d_238 = p_134*p_234 + p_231*z_0_0 + p_232*z_0_1 + p_233*z_0_2;
+        const double p_270 = x49;
+        const double d_271 = p_267*z_0_3;
+        const double d_272 = p_268*z_0_3;
+        const double d_273 = p_269*z_0_3;
+        const double d_274 = p_170*p_270 + p_267*z_0_0 + p_268*z_0_1 + p_269*z_0_2;
         const double sig_47 = e_42*w_45;
-        const double p_239 = x47;
+        const double p_275 = x47;
         const double x50 = e_42*x45;
-        const double p_240 = x50*(e_41 + x43);
+        const double p_276 = x50*(e_41 + x43);
         const double x51 = -e_43*x50;
-        const double p_241 = x51;
+        const double p_277 = x51;
         const double x52 = -e_44*x50;
-        const double p_242 = x52;
-        const double d_243 = p_239*z_0_3;
-        const double d_244 = p_240*z_0_3;
-        const double d_245 = p_241*z_0_3;
-        const double d_246 = p_134*p_242 + p_239*z_0_0 + p_240*z_0_1 + p_241*z_0_2;
+        const double p_278 = x52;
+        const double d_279 = p_275*z_0_3;
+        const double d_280 = p_276*z_0_3;
+        const double d_281 = p_277*z_0_3;
+        const double d_282 = p_170*p_278 + p_275*z_0_0 + p_276*z_0_1 + p_277*z_0_2;
         const double sig_48 = e_43*w_45;
-        const double p_247 = x48;
-        const double p_248 = x51;
+        const double p_283 = x48;
+        const double p_284 = x51;
         const double x53 = e_41 + e_42;
         const double x54 = e_43*x45;
-        const double p_249 = x54*(e_44 + x53);
+        const double p_285 = x54*(e_44 + x53);
         const double x55 = -e_44*x54;
-        const double p_250 = x55;
-        const double d_251 = p_247*z_0_3;
-        const double d_252 = p_248*z_0_3;
-        const double d_253 = p_249*z_0_3;
-        const double d_254 = p_134*p_250 + p_247*z_0_0 + p_248*z_0_1 + p_249*z_0_2;
+        const double p_286 = x55;
+        const double d_287 = p_283*z_0_3;
+        const double d_288 = p_284*z_0_3;
+        const double d_289 = p_285*z_0_3;
+        const double d_290 = p_170*p_286 + p_283*z_0_0 + p_284*z_0_1 + p_285*z_0_2;
         const double sig_49 = e_44*w_45;
-        const double p_255 = x49;
-        const double p_256 = x52;
-        const double p_257 = x55;
-        const double p_258 = e_44*x45*(e_43 + x53);
-        const double d_259 = p_255*z_0_3;
-        const double d_260 = p_256*z_0_3;
-        const double d_261 = p_257*z_0_3;
-        const double d_262 = p_134*p_258 + p_255*z_0_0 + p_256*z_0_1 + p_257*z_0_2;
-        const double Phi_50 = c + sig_16;
-        const double Phi_51 = c + sig_27;
-        const double Phi_52 = c + sig_38;
-        const double Phi_53 = c + sig_49;
+        const double p_291 = x49;
+        const double p_292 = x52;
+        const double p_293 = x55;
+        const double p_294 = e_44*x45*(e_43 + x53);
+        const double d_295 = p_291*z_0_3;
+        const double d_296 = p_292*z_0_3;
+        const double d_297 = p_293*z_0_3;
+        const double d_298 = p_170*p_294 + p_291*z_0_0 + p_292*z_0_1 + p_293*z_0_2;
+        const double x56 = c + sig_16;
+        const double Phi_50 = x56;
+        const double x57 = c + sig_27;
+        const double Phi_51 = x57;
+        const double x58 = c + sig_38;
+        const double Phi_52 = x58;
+        const double x59 = c + sig_49;
+        const double Phi_53 = x59;
         const double u_54 = Phi_50*z_1_0 + sig_17*z_1_1 + sig_18*z_1_2 + sig_19*z_1_3;
-        const double d_263 = d_139*z_1_0 + d_147*z_1_1 + d_155*z_1_2 + d_163*z_1_3;
-        const double d_264 = d_140*z_1_0 + d_148*z_1_1 + d_156*z_1_2 + d_164*z_1_3;
-        const double d_265 = d_141*z_1_0 + d_149*z_1_1 + d_157*z_1_2 + d_165*z_1_3;
-        const double d_266 = d_142*z_1_0 + d_150*z_1_1 + d_158*z_1_2 + d_166*z_1_3;
+        const double d_299 = d_175*z_1_0 + d_183*z_1_1 + d_191*z_1_2 + d_199*z_1_3;
+        const double d_300 = d_176*z_1_0 + d_184*z_1_1 + d_192*z_1_2 + d_200*z_1_3;
+        const double d_301 = d_177*z_1_0 + d_185*z_1_1 + d_193*z_1_2 + d_201*z_1_3;
+        const double d_302 = d_178*z_1_0 + d_186*z_1_1 + d_194*z_1_2 + d_202*z_1_3;
         const double u_55 = Phi_51*z_1_1 + sig_26*z_1_0 + sig_28*z_1_2 + sig_29*z_1_3;
-        const double d_267 = d_171*z_1_0 + d_179*z_1_1 + d_187*z_1_2 + d_195*z_1_3;
-        const double d_268 = d_172*z_1_0 + d_180*z_1_1 + d_188*z_1_2 + d_196*z_1_3;
-        const double d_269 = d_173*z_1_0 + d_181*z_1_1 + d_189*z_1_2 + d_197*z_1_3;
-        const double d_270 = d_174*z_1_0 + d_182*z_1_1 + d_190*z_1_2 + d_198*z_1_3;
+        const double d_303 = d_207*z_1_0 + d_215*z_1_1 + d_223*z_1_2 + d_231*z_1_3;
+        const double d_304 = d_208*z_1_0 + d_216*z_1_1 + d_224*z_1_2 + d_232*z_1_3;
+        const double d_305 = d_209*z_1_0 + d_217*z_1_1 + d_225*z_1_2 + d_233*z_1_3;
+        const double d_306 = d_210*z_1_0 + d_218*z_1_1 + d_226*z_1_2 + d_234*z_1_3;
         const double u_56 = Phi_52*z_1_2 + sig_36*z_1_0 + sig_37*z_1_1 + sig_39*z_1_3;
-        const double d_271 = d_203*z_1_0 + d_211*z_1_1 + d_219*z_1_2 + d_227*z_1_3;
-        const double d_272 = d_204*z_1_0 + d_212*z_1_1 + d_220*z_1_2 + d_228*z_1_3;
-        const double d_273 = d_205*z_1_0 + d_213*z_1_1 + d_221*z_1_2 + d_229*z_1_3;
-        const double d_274 = d_206*z_1_0 + d_214*z_1_1 + d_222*z_1_2 + d_230*z_1_3;
+        const double d_307 = d_239*z_1_0 + d_247*z_1_1 + d_255*z_1_2 + d_263*z_1_3;
+        const double d_308 = d_240*z_1_0 + d_248*z_1_1 + d_256*z_1_2 + d_264*z_1_3;
+        const double d_309 = d_241*z_1_0 + d_249*z_1_1 + d_257*z_1_2 + d_265*z_1_3;
+        const double d_310 = d_242*z_1_0 + d_250*z_1_1 + d_258*z_1_2 + d_266*z_1_3;
         const double u_57 = Phi_53*z_1_3 + sig_46*z_1_0 + sig_47*z_1_1 + sig_48*z_1_2;
-        const double d_275 = d_235*z_1_0 + d_243*z_1_1 + d_251*z_1_2 + d_259*z_1_3;
-        const double d_276 = d_236*z_1_0 + d_244*z_1_1 + d_252*z_1_2 + d_260*z_1_3;
-        const double d_277 = d_237*z_1_0 + d_245*z_1_1 + d_253*z_1_2 + d_261*z_1_3;
-        const double d_278 = d_238*z_1_0 + d_246*z_1_1 + d_254*z_1_2 + d_262*z_1_3;
+        const double d_311 = d_271*z_1_0 + d_279*z_1_1 + d_287*z_1_2 + d_295*z_1_3;
+        const double d_312 = d_272*z_1_0 + d_280*z_1_1 + d_288*z_1_2 + d_296*z_1_3;
+        const double d_313 = d_273*z_1_0 + d_281*z_1_1 + d_289*z_1_2 + d_297*z_1_3;
+        const double d_314 = d_274*z_1_0 + d_282*z_1_1 + d_290*z_1_2 + d_298*z_1_3;
         const double M_58 = (u_54*u_54);
-        const double p_279 = 2*u_54;
-        const double d_280 = d_263*p_279;
-        const double d_281 = d_264*p_279;
-        const double d_282 = d_265*p_279;
-        const double d_283 = d_266*p_279;
-        const double d_284 = Phi_50*p_279;
-        const double d_285 = p_279*sig_17;
-        const double d_286 = p_279*sig_18;
-        const double d_287 = p_279*sig_19;
+        const double p_315 = 2*u_54;
+        const double d_316 = d_299*p_315;
+        const double d_317 = d_300*p_315;
+        const double d_318 = d_301*p_315;
+        const double d_319 = d_302*p_315;
+        const double d_320 = Phi_50*p_315;
+        const double d_321 = p_315*sig_17;
+        const double d_322 = p_315*sig_18;
+        const double d_323 = p_315*sig_19;
         const double M_59 = u_54*u_55;
-        const double d_288 = d_263*u_55 + d_267*u_54;
-        const double d_289 = d_264*u_55 + d_268*u_54;
-        const double d_290 = d_265*u_55 + d_269*u_54;
-        const double d_291 = d_266*u_55 + d_270*u_54;
-        const double d_292 = Phi_50*u_55 + sig_26*u_54;
-        const double d_293 = Phi_51*u_54 + sig_17*u_55;
-        const double d_294 = sig_18*u_55 + sig_28*u_54;
-        const double d_295 = sig_19*u_55 + sig_29*u_54;
+        const double d_324 = d_299*u_55 + d_303*u_54;
+        const double d_325 = d_300*u_55 + d_304*u_54;
+        const double d_326 = d_301*u_55 + d_305*u_54;
+        const double d_327 = d_302*u_55 + d_306*u_54;
+        const double d_328 = Phi_50*u_55 + sig_26*u_54;
+        const double d_329 = Phi_51*u_54 + sig_17*u_55;
+        const double d_330 = sig_18*u_55 + sig_28*u_54;
+        const double d_331 = sig_19*u_55 + sig_29*u_54;
         const double M_60 = u_54*u_56;
-        const double d_296 = d_263*u_56 + d_271*u_54;
-        const double d_297 = d_264*u_56 + d_272*u_54;
-        const double d_298 = d_265*u_56 + d_273*u_54;
-        const double d_299 = d_266*u_56 + d_274*u_54;
-        const double d_300 = Phi_50*u_56 + sig_36*u_54;
-        const double d_301 = sig_17*u_56 + sig_37*u_54;
-        const double d_302 = Phi_52*u_54 + sig_18*u_56;
-        const double d_303 = sig_19*u_56 + sig_39*u_54;
+        const double d_332 = d_299*u_56 + d_307*u_54;
+        const double d_333 = d_300*u_56 + d_308*u_54;
+        const double d_334 = d_301*u_56 + d_309*u_54;
+        const double d_335 = d_302*u_56 + d_310*u_54;
+        const double d_336 = Phi_50*u_56 + sig_36*u_54;
+        const double d_337 = sig_17*u_56 + sig_37*u_54;
+        const double d_338 = Phi_52*u_54 + sig_18*u_56;
+        const double d_339 = sig_19*u_56 + sig_39*u_54;
         const double M_61 = u_54*u_57;
-        const double d_304 = d_263*u_57 + d_275*u_54;
-        const double d_305 = d_264*u_57 + d_276*u_54;
-        const double d_306 = d_265*u_57 + d_277*u_54;
-        const double d_307 = d_266*u_57 + d_278*u_54;
-        const double d_308 = Phi_50*u_57 + sig_46*u_54;
-        const double d_309 = sig_17*u_57 + sig_47*u_54;
-        const double d_310 = sig_18*u_57 + sig_48*u_54;
-        const double d_311 = Phi_53*u_54 + sig_19*u_57;
+        const double d_340 = d_299*u_57 + d_311*u_54;
+        const double d_341 = d_300*u_57 + d_312*u_54;
+        const double d_342 = d_301*u_57 + d_313*u_54;
+        const double d_343 = d_302*u_57 + d_314*u_54;
+        const double d_344 = Phi_50*u_57 + sig_46*u_54;
+        const double d_345 = sig_17*u_57 + sig_47*u_54;
+        const double d_346 = sig_18*u_57 + sig_48*u_54;
+        const double d_347 = Phi_53*u_54 + sig_19*u_57;
         const double M_62 = (u_55*u_55);
-        const double p_312 = 2*u_55;
-        const double d_313 = d_267*p_312;
-        const double d_314 = d_268*p_312;
-        const double d_315 = d_269*p_312;
-        const double d_316 = d_270*p_312;
-        const double d_317 = p_312*sig_26;
-        const double d_318 = Phi_51*p_312;
-        const double d_319 = p_312*sig_28;
-        const double d_320 = p_312*sig_29;
+        const double p_348 = 2*u_55;
+        const double d_349 = d_303*p_348;
+        const double d_350 = d_304*p_348;
+        const double d_351 = d_305*p_348;
+        const double d_352 = d_306*p_348;
+        const double d_353 = p_348*sig_26;
+        const double d_354 = Phi_51*p_348;
+        const double d_355 = p_348*sig_28;
+        const double d_356 = p_348*sig_29;
         const double M_63 = u_55*u_56;
-        const double d_321 = d_267*u_56 + d_271*u_55;
-        const double d_322 = d_268*u_56 + d_272*u_55;
-        const double d_323 = d_269*u_56 + d_273*u_55;
-        const double d_324 = d_270*u_56 + d_274*u_55;
-        const double d_325 = sig_26*u_56 + sig_36*u_55;
-        const double d_326 = Phi_51*u_56 + sig_37*u_55;
-        const double d_327 = Phi_52*u_55 + sig_28*u_56;
-        const double d_328 = sig_29*u_56 + sig_39*u_55;
+        const double d_357 = d_303*u_56 + d_307*u_55;
+        const double d_358 = d_304*u_56 + d_308*u_55;
+        const double d_359 = d_305*u_56 + d_309*u_55;
+        const double d_360 = d_306*u_56 + d_310*u_55;
+        const double d_361 = sig_26*u_56 + sig_36*u_55;
+        const double d_362 = Phi_51*u_56 + sig_37*u_55;
+        const double d_363 = Phi_52*u_55 + sig_28*u_56;
+        const double d_364 = sig_29*u_56 + sig_39*u_55;
         const double M_64 = u_55*u_57;
-        const double d_329 = d_267*u_57 + d_275*u_55;
-        const double d_330 = d_268*u_57 + d_276*u_55;
-        const double d_331 = d_269*u_57 + d_277*u_55;
-        const double d_332 = d_270*u_57 + d_278*u_55;
-        const double d_333 = sig_26*u_57 + sig_46*u_55;
-        const double d_334 = Phi_51*u_57 + sig_47*u_55;
-        const double d_335 = sig_28*u_57 + sig_48*u_55;
-        const double d_336 = Phi_53*u_55 + sig_29*u_57;
+        const double d_365 = d_303*u_57 + d_311*u_55;
+        const double d_366 = d_304*u_57 + d_312*u_55;
+        const double d_367 = d_305*u_57 + d_313*u_55;
+        const double d_368 = d_306*u_57 + d_314*u_55;
+        const double d_369 = sig_26*u_57 + sig_46*u_55;
+        const double d_370 = Phi_51*u_57 + sig_47*u_55;
+        const double d_371 = sig_28*u_57 + sig_48*u_55;
+        const double d_372 = Phi_53*u_55 + sig_29*u_57;
         const double M_65 = (u_56*u_56);
-        const double p_337 = 2*u_56;
-        const double d_338 = d_271*p_337;
-        const double d_339 = d_272*p_337;
-        const double d_340 = d_273*p_337;
-        const double d_341 = d_274*p_337;
-        const double d_342 = p_337*sig_36;
-        const double d_343 = p_337*sig_37;
-        const double d_344 = Phi_52*p_337;
-        const double d_345 = p_337*sig_39;
+        const double p_373 = 2*u_56;
+        const double d_374 = d_307*p_373;
+        const double d_375 = d_308*p_373;
+        const double d_376 = d_309*p_373;
+        const double d_377 = d_310*p_373;
+        const double d_378 = p_373*sig_36;
+        const double d_379 = p_373*sig_37;
+        const double d_380 = Phi_52*p_373;
+        const double d_381 = p_373*sig_39;
         const double M_66 = u_56*u_57;
-        const double d_346 = d_271*u_57 + d_275*u_56;
-        const double d_347 = d_272*u_57 + d_276*u_56;
-        const double d_348 = d_273*u_57 + d_277*u_56;
-        const double d_349 = d_274*u_57 + d_278*u_56;
-        const double d_350 = sig_36*u_57 + sig_46*u_56;
-        const double d_351 = sig_37*u_57 + sig_47*u_56;
-        const double d_352 = Phi_52*u_57 + sig_48*u_56;
-        const double d_353 = Phi_53*u_56 + sig_39*u_57;
+        const double d_382 = d_307*u_57 + d_311*u_56;
+        const double d_383 = d_308*u_57 + d_312*u_56;
+        const double d_384 = d_309*u_57 + d_313*u_56;
+        const double d_385 = d_310*u_57 + d_314*u_56;
+        const double d_386 = sig_36*u_57 + sig_46*u_56;
+        const double d_387 = sig_37*u_57 + sig_47*u_56;
+        const double d_388 = Phi_52*u_57 + sig_48*u_56;
+        const double d_389 = Phi_53*u_56 + sig_39*u_57;
         const double M_67 = (u_57*u_57);
-        const double p_354 = 2*u_57;
-        const double d_355 = d_275*p_354;
-        const double d_356 = d_276*p_354;
-        const double d_357 = d_277*p_354;
-        const double d_358 = d_278*p_354;
-        const double d_359 = p_354*sig_46;
-        const double d_360 = p_354*sig_47;
-        const double d_361 = p_354*sig_48;
-        const double d_362 = Phi_53*p_354;
+        const double p_390 = 2*u_57;
+        const double d_391 = d_311*p_390;
+        const double d_392 = d_312*p_390;
+        const double d_393 = d_313*p_390;
+        const double d_394 = d_314*p_390;
+        const double d_395 = p_390*sig_46;
+        const double d_396 = p_390*sig_47;
+        const double d_397 = p_390*sig_48;
+        const double d_398 = Phi_53*p_390;
         const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
-        const double x56 = -m_68;
-        const double e_69 = exp(beta*(M_58 + x56));
-        const double e_70 = exp(beta*(M_59 + x56));
-        const double e_71 = exp(beta*(M_60 + x56));
-        const double e_72 = exp(beta*(M_61 + x56));
-        const double x57 = e_71 + e_72;
-        const double x58 = e_70 + x57;
-        const double w_73 = (1.0/(e_69 + x58));
+        const double x60 = -m_68;
+        const double e_69 = exp(beta*(M_58 + x60));
+        const double e_70 = exp(beta*(M_59 + x60));
+        const double e_71 = exp(beta*(M_60 + x60));
+        const double e_72 = exp(beta*(M_61 + x60));
+        const double x61 = e_71 + e_72;
+        const double x62 = e_70 + x61;
+        const double w_73 = (1.0/(e_69 + x62));
         const double sig_74 = e_69*w_73;
-        const double x59 = beta*(w_73*w_73);
-        const double x60 = e_69*x59;
-        const double p_363 = x58*x60;
-        const double x61 = -e_70*x60;
-        const double p_364 = x61;
-        const double x62 = -e_71*x60;
-        const double p_365 = x62;
-        const double x63 = -e_72*x60;
-        const double p_366 = x63;
-        const double d_367 = d_280*p_363 + d_288*p_364 + d_296*p_365 + d_304*p_366;
-        const double d_368 = d_281*p_363 + d_289*p_364 + d_297*p_365 + d_305*p_366;
-        const double d_369 = d_282*p_363 + d_290*p_364 + d_298*p_365 + d_306*p_366;
-        const double d_370 = d_283*p_363 + d_291*p_364 + d_299*p_365 + d_307*p_366;
-        const double d_371 = d_284*p_363 + d_292*p_364 + d_300*p_365 + d_308*p_366;
-        const double d_372 = d_285*p_363 + d_293*p_364 + d_301*p_365 + d_309*p_366;
-        const double d_373 = d_286*p_363 + d_294*p_364 + d_302*p_365 + d_310*p_366;
-        const double d_374 = d_287*p_363 + d_295*p_364 + d_303*p_365 + d_311*p_366;
+        const double x63 = beta*(w_73*w_73);
+        const double x64 = e_69*x63;
+        const double p_399 = x62*x64;
+        const double x65 = -e_70*x64;
+        const double p_400 = x65;
+        const double x66 = -e_71*x64;
+        const double p_401 = x66;
+        const double x67 = -e_72*x64;
+        const double p_402 = x67;
+        const double d_403 = d_316*p_399 + d_324*p_400 + d_332*p_401 + d_340*p_402;
+        const double d_404 = d_317*p_399 + d_325*p_400 + d_333*p_401 + d_341*p_402;
+        const double d_405 = d_318*p_399 + d_326*p_400 + d_334*p_401 + d_342*p_402;
+        const double d_406 = d_319*p_399 + d_327*p_400 + d_335*p_401 + d_343*p_402;
+        const double d_407 = d_320*p_399 + d_328*p_400 + d_336*p_401 + d_344*p_402;
+        const double d_408 = d_321*p_399 + d_329*p_400 + d_337*p_401 + d_345*p_402;
+        const double d_409 = d_322*p_399 + d_330*p_400 + d_338*p_401 + d_346*p_402;
+        const double d_410 = d_323*p_399 + d_331*p_400 + d_339*p_401 + d_347*p_402;
         const double sig_75 = e_70*w_73;
-        const double p_375 = x61;
-        const double x64 = e_70*x59;
-        const double p_376 = x64*(e_69 + x57);
-        const double x65 = -e_71*x64;
-        const double p_377 = x65;
-        const double x66 = -e_72*x64;
-        const double p_378 = x66;
-        const double d_379 = d_280*p_375 + d_288*p_376 + d_296*p_377 + d_304*p_378;
-        const double d_380 = d_281*p_375 + d_289*p_376 + d_297*p_377 + d_305*p_378;
-        const double d_381 = d_282*p_375 + d_290*p_376 + d_298*p_377 + d_306*p_378;
-        const double d_382 = d_283*p_375 + d_291*p_376 + d_299*p_377 + d_307*p_378;
-        const double d_383 = d_284*p_375 + d_292*p_376 + d_300*p_377 + d_308*p_378;
-        const double d_384 = d_285*p_375 + d_293*p_376 + d_301*p_377 + d_309*p_378;
-        const double d_385 = d_286*p_375 + d_294*p_376 + d_302*p_377 + d_310*p_378;
-        const double d_386 = d_287*p_375 + d_295*p_376 + d_303*p_377 + d_311*p_378;
+        const double p_411 = x65;
+        const double x68 = e_70*x63;
+        const double p_412 = x68*(e_69 + x61);
+        const double x69 = -e_71*x68;
+        const double p_413 = x69;
+        const double x70 = -e_72*x68;
+        const double p_414 = x70;
+        const double d_415 = d_316*p_411 + d_324*p_412 + d_332*p_413 + d_340*p_414;
+        const double d_416 = d_317*p_411 + d_325*p_412 + d_333*p_413 + d_341*p_414;
+        const double d_417 = d_318*p_411 + d_326*p_412 + d_334*p_413 + d_342*p_414;
+        const double d_418 = d_319*p_411 + d_327*p_412 + d_335*p_413 + d_343*p_414;
+        const double d_419 = d_320*p_411 + d_328*p_412 + d_336*p_413 + d_344*p_414;
+        const double d_420 = d_321*p_411 + d_329*p_412 + d_337*p_413 + d_345*p_414;
+        const double d_421 = d_322*p_411 + d_330*p_412 + d_338*p_413 + d_346*p_414;
+        const double d_422 = d_323*p_411 + d_331*p_412 + d_339*p_413 + d_347*p_414;
         const double sig_76 = e_71*w_73;
-        const double p_387 = x62;
-        const double p_388 = x65;
-        const double x67 = e_69 + e_70;
-        const double x68 = e_71*x59;
-        const double p_389 = x68*(e_72 + x67);
-        const double x69 = -e_72*x68;
-        const double p_390 = x69;
-        const double d_391 = d_280*p_387 + d_288*p_388 + d_296*p_389 + d_304*p_390;
-        const double d_392 = d_281*p_387 + d_289*p_388 + d_297*p_389 + d_305*p_390;
-        const double d_393 = d_282*p_387 + d_290*p_388 + d_298*p_389 + d_306*p_390;
-        const double d_394 = d_283*p_387 + d_291*p_388 + d_299*p_389 + d_307*p_390;
-        const double d_395 = d_284*p_387 + d_292*p_388 + d_300*p_389 + d_308*p_390;
-        const double d_396 = d_285*p_387 + d_293*p_388 + d_301*p_389 + d_309*p_390;
-        const double d_397 = d_286*p_387 + d_294*p_388 + d_302*p_389 + d_310*p_390;
-        const double d_398 = d_287*p_387 + d_295*p_388 + d_303*p_389 + d_311*p_390;
+        const double p_423 = x66;
+        const double p_424 = x69;
+        const double x71 = e_69 + e_70;
+        const double x72 = e_71*x63;
+        const double p_425 = x72*(e_72 + x71);
+        const double x73 = -e_72*x72;
+        const double p_426 = x73;
+        const double d_427 = d_316*p_423 + d_324*p_424 + d_332*p_425 + d_340*p_426;
+        const double d_428 = d_317*p_423 + d_325*p_424 + d_333*p_425 + d_341*p_426;
+        const double d_429 = d_318*p_423 + d_326*p_424 + d_334*p_425 + d_342*p_426;
+        const double d_430 = d_319*p_423 + d_327*p_424 + d_335*p_425 + d_343*p_426;
+        const double d_431 = d_320*p_423 + d_328*p_424 + d_336*p_425 + d_344*p_426;
+        const double d_432 = d_321*p_423 + d_329*p_424 + d_337*p_425 + d_345*p_426;
+        const double d_433 = d_322*p_423 + d_330*p_424 + d_338*p_425 + d_346*p_426;
+        const double d_434 = d_323*p_423 + d_331*p_424 + d_339*p_425 + d_347*p_426;
         const double sig_77 = e_72*w_73;
-        const double p_399 = x63;
-        const double p_400 = x66;
-        const double p_401 = x69;
-        const double p_402 = e_72*x59*(e_71 + x67);
-        const double d_403 = d_280*p_399 + d_288*p_400 + d_296*p_401 + d_304*p_402;
-        const double d_404 = d_281*p_399 + d_289*p_400 + d_297*p_401 + d_305*p_402;
-        const double d_405 = d_282*p_399 + d_290*p_400 + d_298*p_401 + d_306*p_402;
-        const double d_406 = d_283*p_399 + d_291*p_400 + d_299*p_401 + d_307*p_402;
-        const double d_407 = d_284*p_399 + d_292*p_400 + d_300*p_401 + d_308*p_402;
-        const double d_408 = d_285*p_399 + d_293*p_400 + d_301*p_401 + d_309*p_402;
-        const double d_409 = d_286*p_399 + d_294*p_400 + d_302*p_401 + d_310*p_402;
-        const double d_410 = d_287*p_399 + d_295*p_400 + d_303*p_401 + d_311*p_402;
+        const double p_435 = x67;
+        const double p_436 = x70;
+        const double p_437 = x73;
+        const double p_438 = e_72*x63*(e_71 + x71);
+        const double d_439 = d_316*p_435 + d_324*p_436 + d_332*p_437 + d_340*p_438;
+        const double d_440 = d_317*p_435 + d_325*p_436 + d_333*p_437 + d_341*p_438;
+        const double d_441 = d_318*p_435 + d_326*p_436 + d_334*p_437 + d_342*p_438;
+        const double d_442 = d_319*p_435 + d_327*p_436 + d_335*p_437 + d_343*p_438;
+        const double d_443 = d_320*p_435 + d_328*p_436 + d_336*p_437 + d_344*p_438;
+        const double d_444 = d_321*p_435 + d_329*p_436 + d_337*p_437 + d_345*p_438;
+        const double d_445 = d_322*p_435 + d_330*p_436 + d_338*p_437 + d_346*p_438;
+        const double d_446 = d_323*p_435 + d_331*p_436 + d_339*p_437 + d_347*p_438;
         const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
-        const double x70 = -m_78;
-        const double e_79 = exp(beta*(M_59 + x70));
-        const double e_80 = exp(beta*(M_62 + x70));
-        const double e_81 = exp(beta*(M_63 + x70));
-        const double e_82 = exp(beta*(M_64 + x70));
-        const double x71 = e_81 + e_82;
-        const double x72 = e_80 + x71;
-        const double w_83 = (1.0/(e_79 + x72));
+        const double x74 = -m_78;
+        const double e_79 = exp(beta*(M_59 + x74));
+        const double e_80 = exp(beta*(M_62 + x74));
+        const double e_81 = exp(beta*(M_63 + x74));
+        const double e_82 = exp(beta*(M_64 + x74));
+        const double x75 = e_81 + e_82;
+        const double x76 = e_80 + x75;
+        const double w_83 = (1.0/(e_79 + x76));
         const double sig_84 = e_79*w_83;
-        const double x73 = beta*(w_83*w_83);
-        const double x74 = e_79*x73;
-        const double p_411 = x72*x74;
-        const double x75 = -e_80*x74;
-        const double p_412 = x75;
-        const double x76 = -e_81*x74;
-        const double p_413 = x76;
-        const double x77 = -e_82*x74;
-        const double p_414 = x77;
-        const double d_415 = d_288*p_411 + d_313*p_412 + d_321*p_413 + d_329*p_414;
-        const double d_416 = d_289*p_411 + d_314*p_412 + d_322*p_413 + d_330*p_414;
-        const double d_417 = d_290*p_411 + d_315*p_412 + d_323*p_413 + d_331*p_414;
-        const double d_418 = d_291*p_411 + d_316*p_412 + d_324*p_413 + d_332*p_414;
-        const double d_419 = d_292*p_411 + d_317*p_412 + d_325*p_413 + d_333*p_414;
-        const double d_420 = d_293*p_411 + d_318*p_412 + d_326*p_413 + d_334*p_414;
-        const double d_421 = d_294*p_411 + d_319*p_412 + d_327*p_413 + d_335*p_414;
-        const double d_422 = d_295*p_411 + d_320*p_412 + d_328*p_413 + d_336*p_414;
+        const double x77 = beta*(w_83*w_83);
+        const double x78 = e_79*x77;
+        const double p_447 = x76*x78;
+        const double x79 = -e_80*x78;
+        const double p_448 = x79;
+        const double x80 = -e_81*x78;
+        const double p_449 = x80;
+        const double x81 = -e_82*x78;
+        const double p_450 = x81;
+        const double d_451 = d_324*p_447 + d_349*p_448 + d_357*p_449 + d_365*p_450;
+        const double d_452 = d_325*p_447 + d_350*p_448 + d_358*p_449 + d_366*p_450;
+        const double d_453 = d_326*p_447 + d_351*p_448 + d_359*p_449 + d_367*p_450;
+        const double d_454 = d_327*p_447 + d_352*p_448 + d_360*p_449 + d_368*p_450;
+        const double d_455 = d_328*p_447 + d_353*p_448 + d_361*p_449 + d_369*p_450;
+        const double d_456 = d_329*p_447 + d_354*p_448 + d_362*p_449 + d_370*p_450;
+        const double d_457 = d_330*p_447 + d_355*p_448 + d_363*p_449 + d_371*p_450;
+        const double d_458 = d_331*p_447 + d_356*p_448 + d_364*p_449 + d_372*p_450;
         const double sig_85 = e_80*w_83;
-        const double p_423 = x75;
-        const double x78 = e_80*x73;
-        const double p_424 = x78*(e_79 + x71);
-        const double x79 = -e_81*x78;
-        const double p_425 = x79;
-        const double x80 = -e_82*x78;
-        const double p_426 = x80;
-        const double d_427 = d_288*p_423 + d_313*p_424 + d_321*p_425 + d_329*p_426;
-        const double d_428 = d_289*p_423 + d_314*p_424 + d_322*p_425 + d_330*p_426;
-        const double d_429 = d_290*p_423 + d_315*p_424 + d_323*p_425 + d_331*p_426;
-        const double d_430 = d_291*p_423 + d_316*p_424 + d_324*p_425 + d_332*p_426;
-        const double d_431 = d_292*p_423 + d_317*p_424 + d_325*p_425 + d_333*p_426;
-        const double d_432 = d_293*p_423 + d_318*p_424 + d_326*p_425 + d_334*p_426;
-        const double d_433 = d_294*p_423 + d_319*p_424 + d_327*p_425 + d_335*p_426;
-        const double d_434 = d_295*p_423 + d_320*p_424 + d_328*p_425 + d_336*p_426;
+        const double p_459 = x79;
+        const double x82 = e_80*x77;
+        const double p_460 = x82*(e_79 + x75);
+        const double x83 = -e_81*x82;
+        const double p_461 = x83;
+        const double x84 = -e_82*x82;
+        const double p_462 = x84;
+        const double d_463 = d_324*p_459 + d_349*p_460 + d_357*p_461 + d_365*p_462;
+        const double d_464 = d_325*p_459 + d_350*p_460 + d_358*p_461 + d_366*p_462;
+        const double d_465 = d_326*p_459 + d_351*p_460 + d_359*p_461 + d_367*p_462;
+        const double d_466 = d_327*p_459 + d_352*p_460 + d_360*p_461 + d_368*p_462;
+        const double d_467 = d_328*p_459 + d_353*p_460 + d_361*p_461 + d_369*p_462;
+        const double d_468 = d_329*p_459 + d_354*p_460 + d_362*p_461 + d_370*p_462;
+        const double d_469 = d_330*p_459 + d_355*p_460 + d_363*p_461 + d_371*p_462;
+        const double d_470 = d_331*p_459 + d_356*p_460 + d_364*p_461 + d_372*p_462;
         const double sig_86 = e_81*w_83;
-        const double p_435 = x76;
-        const double p_436 = x79;
-        const double x81 = e_79 + e_80;
-        const double x82 = e_81*x73;
-        const double p_437 = x82*(e_82 + x81);
-        const double x83 = -e_82*x82;
-        const double p_438 = x83;
-        const double d_439 = d_288*p_435 + d_313*p_436 + d_321*p_437 + d_329*p_438;
-        const double d_440 = d_289*p_435 + d_314*p_436 + d_322*p_437 + d_330*p_438;
-        const double d_441 = d_290*p_435 + d_315*p_436 + d_323*p_437 + d_331*p_438;
-        const double d_442 = d_291*p_435 + d_316*p_436 + d_324*p_437 + d_332*p_438;
-        const double d_443 = d_292*p_435 + d_317*p_436 + d_325*p_437 + d_333*p_438;
-        const double d_444 = d_293*p_435 + d_318*p_436 + d_326*p_437 + d_334*p_438;
-        const double d_445 = d_294*p_435 + d_319*p_436 + d_327*p_437 + d_335*p_438;
-        const double d_446 = d_295*p_435 + d_320*p_436 + d_328*p_437 + d_336*p_438;
+        const double p_471 = x80;
+        const double p_472 = x83;
+        const double x85 = e_79 + e_80;
+        const double x86 = e_81*x77;
+        const double p_473 = x86*(e_82 + x85);
+        const double x87 = -e_82*x86;
+        const double p_474 = x87;
+        const double d_475 = d_324*p_471 + d_349*p_472 + d_357*p_473 + d_365*p_474;
+        const double d_476 = d_325*p_471 + d_350*p_472 + d_358*p_473 + d_366*p_474;
+        const double d_477 = d_326*p_471 + d_351*p_472 + d_359*p_473 + d_367*p_474;
+        const double d_478 = d_327*p_471 + d_352*p_472 + d_360*p_473 + d_368*p_474;
+        const double d_479 = d_328*p_471 + d_353*p_472 + d_361*p_473 + d_369*p_474;
+        const double d_480 = d_329*p_471 + d_354*p_472 + d_362*p_473 + d_370*p_474;
+        const double d_481 = d_330*p_471 + d_355*p_472 + d_363*p_473 + d_371*p_474;
+        const double d_482 = d_331*p_471 + d_356*p_472 + d_364*p_473 + d_372*p_474;
         const double sig_87 = e_82*w_83;
-        const double p_447 = x77;
-        const double p_448 = x80;
-        const double p_449 = x83;
-        const double p_450 = e_82*x73*(e_81 + x81);
-        const double d_451 = d_288*p_447 + d_313*p_448 + d_321*p_449 + d_329*p_450;
-        const double d_452 = d_289*p_447 + d_314*p_448 + d_322*p_449 + d_330*p_450;
-        const double d_453 = d_290*p_447 + d_315*p_448 + d_323*p_449 + d_331*p_450;
-        const double d_454 = d_291*p_447 + d_316*p_448 + d_324*p_449 + d_332*p_450;
-        const double d_455 = d_292*p_447 + d_317*p_448 + d_325*p_449 + d_333*p_450;
-        const double d_456 = d_293*p_447 + d_318*p_448 + d_326*p_449 + d_334*p_450;
-        const double d_457 = d_294*p_447 + d_319*p_448 + d_327*p_449 + d_335*p_450;
-        const double d_458 = d_295*p_447 + d_320*p_448 + d_328*p_449 + d_336*p_450;
+        const double p_483 = x81;
+        const double p_484 = x84;
+        const double p_485 = x87;
+        const double p_486 = e_82*x77*(e_81 + x85);
+        const double d_487 = d_324*p_483 + d_349*p_484 + d_357*p_485 + d_365*p_486;
+        const double d_488 = d_325*p_483 + d_350*p_484 + d_358*p_485 + d_366*p_486;
+        const double d_489 = d_326*p_483 + d_351*p_484 + d_359*p_485 + d_367*p_486;
+        const double d_490 = d_327*p_483 + d_352*p_484 + d_360*p_485 + d_368*p_486;
+        const double d_491 = d_328*p_483 + d_353*p_484 + d_361*p_485 + d_369*p_486;
+        const double d_492 = d_329*p_483 + d_354*p_484 + d_362*p_485 + d_370*p_486;
+        const double d_493 = d_330*p_483 + d_355*p_484 + d_363*p_485 + d_371*p_486;
+        const double d_494 = d_331*p_483 + d_356*p_484 + d_364*p_485 + d_372*p_486;
         const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
-        const double x84 = -m_88;
-        const double e_89 = exp(beta*(M_60 + x84));
-        const double e_90 = exp(beta*(M_63 + x84));
-        const double e_91 = exp(beta*(M_65 + x84));
-        const double e_92 = exp(beta*(M_66 + x84));
-        const double x85 = e_91 + e_92;
-        const double x86 = e_90 + x85;
-        const double w_93 = (1.0/(e_89 + x86));
+        const double x88 = -m_88;
+        const double e_89 = exp(beta*(M_60 + x88));
+        const double e_90 = exp(beta*(M_63 + x88));
+        const double e_91 = exp(beta*(M_65 + x88));
+        const double e_92 = exp(beta*(M_66 + x88));
+        const double x89 = e_91 + e_92;
+        const double x90 = e_90 + x89;
+        const double w_93 = (1.0/(e_89 + x90));
         const double sig_94 = e_89*w_93;
-        const double x87 = beta*(w_93*w_93);
-        const double x88 = e_89*x87;
-        const double p_459 = x86*x88;
-        const double x89 = -e_90*x88;
-        const double p_460 = x89;
-        const double x90 = -e_91*x88;
-        const double p_461 = x90;
-        const double x91 = -e_92*x88;
-        const double p_462 = x91;
-        const double d_463 = d_296*p_459 + d_321*p_460 + d_338*p_461 + d_346*p_462;
-        const double d_464 = d_297*p_459 + d_322*p_460 + d_339*p_461 + d_347*p_462;
-        const double d_465 = d_298*p_459 + d_323*p_460 + d_340*p_461 + d_348*p_462;
-        const double d_466 = d_299*p_459 + d_324*p_460 + d_341*p_461 + d_349*p_462;
-        const double d_467 = d_300*p_459 + d_325*p_460 + d_342*p_461 + d_350*p_462;
-        const double d_468 = d_301*p_459 + d_326*p_460 + d_343*p_461 + d_351*p_462;
-        const double d_469 = d_302*p_459 + d_327*p_460 + d_344*p_461 + d_352*p_462;
-        const double d_470 = d_303*p_459 + d_328*p_460 + d_345*p_461 + d_353*p_462;
+        const double x91 = beta*(w_93*w_93);
+        const double x92 = e_89*x91;
+        const double p_495 = x90*x92;
+        const double x93 = -e_90*x92;
+        const double p_496 = x93;
+        const double x94 = -e_91*x92;
+        const double p_497 = x94;
+        const double x95 = -e_92*x92;
+        const double p_498 = x95;
+        const double d_499 = d_332*p_495 + d_357*p_496 + d_374*p_497 + d_382*p_498;
+        const double d_500 = d_333*p_495 + d_358*p_496 + d_375*p_497 + d_383*p_498;
+        const double d_501 = d_334*p_495 + d_359*p_496 + d_376*p_497 + d_384*p_498;
+        const double d_502 = d_335*p_495 + d_360*p_496 + d_377*p_497 + d_385*p_498;
+        const double d_503 = d_336*p_495 + d_361*p_496 + d_378*p_497 + d_386*p_498;
+        const double d_504 = d_337*p_495 + d_362*p_496 + d_379*p_497 + d_387*p_498;
+        const double d_505 = d_338*p_495 + d_363*p_496 + d_380*p_497 + d_388*p_498;
+        const double d_506 = d_339*p_495 + d_364*p_496 + d_381*p_497 + d_389*p_498;
         const double sig_95 = e_90*w_93;
-        const double p_471 = x89;
-        const double x92 = e_90*x87;
-        const double p_472 = x92*(e_89 + x85);
-        const double x93 = -e_91*x92;
-        const double p_473 = x93;
-        const double x94 = -e_92*x92;
-        const double p_474 = x94;
-        const double d_475 = d_296*p_471 + d_321*p_472 + d_338*p_473 + d_346*p_474;
-        const double d_476 = d_297*p_471 + d_322*p_472 + d_339*p_473 + d_347*p_474;
-        const double d_477 = d_298*p_471 + d_323*p_472 + d_340*p_473 + d_348*p_474;
-        const double d_478 = d_299*p_471 + d_324*p_472 + d_341*p_473 + d_349*p_474;
-        const double d_479 = d_300*p_471 + d_325*p_472 + d_342*p_473 + d_350*p_474;
-        const double d_480 = d_301*p_471 + d_326*p_472 + d_343*p_473 + d_351*p_474;
-        const double d_481 = d_302*p_471 + d_327*p_472 + d_344*p_473 + d_352*p_474;
-        const double d_482 = d_303*p_471 + d_328*p_472 + d_345*p_473 + d_353*p_474;
+        const double p_507 = x93;
+        const double x96 = e_90*x91;
+        const double p_508 = x96*(e_89 + x89);
+        const double x97 = -e_91*x96;
+        const double p_509 = x97;
+        const double x98 = -e_92*x96;
+        const double p_510 = x98;
+        const double d_511 = d_332*p_507 + d_357*p_508 + d_374*p_509 + d_382*p_510;
+        const double d_512 = d_333*p_507 + d_358*p_508 + d_375*p_509 + d_383*p_510;
+        const double d_513 = d_334*p_507 + d_359*p_508 + d_376*p_509 + d_384*p_510;
+        const double d_514 = d_335*p_507 + d_360*p_508 + d_377*p_509 + d_385*p_510;
+        const double d_515 = d_336*p_507 + d_361*p_508 + d_378*p_509 + d_386*p_510;
+        const double d_516 = d_337*p_507 + d_362*p_508 + d_379*p_509 + d_387*p_510;
+        const double d_517 = d_338*p_507 + d_363*p_508 + d_380*p_509 + d_388*p_510;
+        const double d_518 = d_339*p_507 + d_364*p_508 + d_381*p_509 + d_389*p_510;
         const double sig_96 = e_91*w_93;
-        const double p_483 = x90;
-        const double p_484 = x93;
-        const double x95 = e_89 + e_90;
-        const double x96 = e_91*x87;
-        const double p_485 = x96*(e_92 + x95);
-        const double x97 = -e_92*x96;
-        const double p_486 = x97;
-        const double d_487 = d_296*p_483 + d_321*p_484 + d_338*p_485 + d_346*p_486;
-        const double d_488 = d_297*p_483 + d_322*p_484 + d_339*p_485 + d_347*p_486;
-        const double d_489 = d_298*p_483 + d_323*p_484 + d_340*p_485 + d_348*p_486;
-        const double d_490 = d_299*p_483 + d_324*p_484 + d_341*p_485 + d_349*p_486;
-        const double d_491 = d_300*p_483 + d_325*p_484 + d_342*p_485 + d_350*p_486;
-        const double d_492 = d_301*p_483 + d_326*p_484 + d_343*p_485 + d_351*p_486;
-        const double d_493 = d_302*p_483 + d_327*p_484 + d_344*p_485 + d_352*p_486;
-        const double d_494 = d_303*p_483 + d_328*p_484 + d_345*p_485 + d_353*p_486;
+        const double p_519 = x94;
+        const double p_520 = x97;
+        const double x99 = e_89 + e_90;
+        const double x100 = e_91*x91;
+        const double p_521 = x100*(e_92 + x99);
+        const double x101 = -e_92*x100;
+        const double p_522 = x101;
+        const double d_523 = d_332*p_519 + d_357*p_520 + d_374*p_521 + d_382*p_522;
+        const double d_524 = d_333*p_519 + d_358*p_520 + d_375*p_521 + d_383*p_522;
+        const double d_525 = d_334*p_519 + d_359*p_520 + d_376*p_521 + d_384*p_522;
+        const double d_526 = d_335*p_519 + d_360*p_520 + d_377*p_521 + d_385*p_522;
+        const double d_527 = d_336*p_519 + d_361*p_520 + d_378*p_521 + d_386*p_522;
+        const double d_528 = d_337*p_519 + d_362*p_520 + d_379*p_521 + d_387*p_522;
+        const double d_529 = d_338*p_519 + d_363*p_520 + d_380*p_521 + d_388*p_522;
+        const double d_530 = d_339*p_519 + d_364*p_520 + d_381*p_521 + d_389*p_522;
         const double sig_97 = e_92*w_93;
-        const double p_495 = x91;
-        const double p_496 = x94;
-        const double p_497 = x97;
-        const double p_498 = e_92*x87*(e_91 + x95);
-        const double d_499 = d_296*p_495 + d_321*p_496 + d_338*p_497 + d_346*p_498;
-        const double d_500 = d_297*p_495 + d_322*p_496 + d_339*p_497 + d_347*p_498;
-        const double d_501 = d_298*p_495 + d_323*p_496 + d_340*p_497 + d_348*p_498;
-        const double d_502 = d_299*p_495 + d_324*p_496 + d_341*p_497 + d_349*p_498;
-        const double d_503 = d_300*p_495 + d_325*p_496 + d_342*p_497 + d_350*p_498;
-        const double d_504 = d_301*p_495 + d_326*p_496 + d_343*p_497 + d_351*p_498;
-        const double d_505 = d_302*p_495 + d_327*p_496 + d_344*p_497 + d_352*p_498;
-        const double d_506 = d_303*p_495 + d_328*p_496 + d_345*p_497 + d_353*p_498;
+        const double p_531 = x95;
+        const double p_532 = x98;
+        const double p_533 = x101;
+        const double p_534 = e_92*x91*(e_91 + x99);
+        const double d_535 = d_332*p_531 + d_357*p_532 + d_374*p_533 + d_382*p_534;
+        const double d_536 = d_333*p_531 + d_358*p_532 + d_375*p_533 + d_383*p_534;
+        const double d_537 = d_334*p_531 + d_359*p_532 + d_376*p_533 + d_384*p_534;
+        const double d_538 = d_335*p_531 + d_360*p_532 + d_377*p_533 + d_385*p_534;
+        const double d_539 = d_336*p_531 + d_361*p_532 + d_378*p_533 + d_386*p_534;
+        const double d_540 = d_337*p_531 + d_362*p_532 + d_379*p_533 + d_387*p_534;
+        const double d_541 = d_338*p_531 + d_363*p_532 + d_380*p_533 + d_388*p_534;
+        const double d_542 = d_339*p_531 + d_364*p_532 + d_381*p_533 + d_389*p_534;
         const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
-        const double x98 = -m_98;
-        const double e_99 = exp(beta*(M_61 + x98));
-        const double e_100 = exp(beta*(M_64 + x98));
-        const double e_101 = exp(beta*(M_66 + x98));
-        const double e_102 = exp(beta*(M_67 + x98));
-        const double x99 = e_101 + e_102;
-        const double x100 = e_100 + x99;
-        const double w_103 = (1.0/(e_99 + x100));
+        const double x102 = -m_98;
+        const double e_99 = exp(beta*(M_61 + x102));
+        const double e_100 = exp(beta*(M_64 + x102));
+        const double e_101 = exp(beta*(M_66 + x102));
+        const double e_102 = exp(beta*(M_67 + x102));
+        const double x103 = e_101 + e_102;
+        const double x104 = e_100 + x103;
+        const double w_103 = (1.0/(e_99 + x104));
         const double sig_104 = e_99*w_103;
-        const double x101 = beta*(w_103*w_103);
-        const double x102 = e_99*x101;
-        const double p_507 = x100*x102;
-        const double x103 = -e_100*x102;
-        const double p_508 = x103;
-        const double x104 = -e_101*x102;
-        const double p_509 = x104;
-        const double x105 = -e_102*x102;
-        const double p_510 = x105;
-        const double d_511 = d_304*p_507 + d_329*p_508 + d_346*p_509 + d_355*p_510;
-        const double d_512 = d_305*p_507 + d_330*p_508 + d_347*p_509 + d_356*p_510;
-        const double d_513 = d_306*p_507 + d_331*p_508 + d_348*p_509 + d_357*p_510;
-        const double d_514 = d_307*p_507 + d_332*p_508 + d_349*p_509 + d_358*p_510;
-        const double d_515 = d_308*p_507 + d_333*p_508 + d_350*p_509 + d_359*p_510;
-        const double d_516 = d_309*p_507 + d_334*p_508 + d_351*p_509 + d_360*p_510;
-        const double d_517 = d_310*p_507 + d_335*p_508 + d_352*p_509 + d_361*p_510;
-        const double d_518 = d_311*p_507 + d_336*p_508 + d_353*p_509 + d_362*p_510;
+        const double x105 = beta*(w_103*w_103);
+        const double x106 = e_99*x105;
+        const double p_543 = x104*x106;
+        const double x107 = -e_100*x106;
+        const double p_544 = x107;
+        const double x108 = -e_101*x106;
+        const double p_545 = x108;
+        const double x109 = -e_102*x106;
+        const double p_546 = x109;
+        const double d_547 = d_340*p_543 + d_365*p_544 + d_382*p_545 + d_391*p_546;
+        const double d_548 = d_341*p_543 + d_366*p_544 + d_383*p_545 + d_392*p_546;
+        const double d_549 = d_342*p_543 + d_367*p_544 + d_384*p_545 + d_393*p_546;
+        const double d_550 = d_343*p_543 + d_368*p_544 + d_385*p_545 + d_394*p_546;
+        const double d_551 = d_344*p_543 + d_369*p_544 + d_386*p_545 + d_395*p_546;
+        const double d_552 = d_345*p_543 + d_370*p_544 + d_387*p_545 + d_396*p_546;
+        const double d_553 = d_346*p_543 + d_371*p_544 + d_388*p_545 + d_397*p_546;
+        const double d_554 = d_347*p_543 + d_372*p_544 + d_389*p_545 + d_398*p_546;
         const double sig_105 = e_100*w_103;
-        const double p_519 = x103;
-        const double x106 = e_100*x101;
-        const double p_520 = x106*(e_99 + x99);
-        const double x107 = -e_101*x106;
-        const double p_521 = x107;
-        const double x108 = -e_102*x106;
-        const double p_522 = x108;
-        const double d_523 = d_304*p_519 + d_329*p_520 + d_346*p_521 + d_355*p_522;
-        const double d_524 = d_305*p_519 + d_330*p_520 + d_347*p_521 + d_356*p_522;
-        const double d_525 = d_306*p_519 + d_331*p_520 + d_348*p_521 + d_357*p_522;
-        const double d_526 = d_307*p_519 + d_332*p_520 + d_349*p_521 + d_358*p_522;
-        const double d_527 = d_308*p_519 + d_333*p_520 + d_350*p_521 + d_359*p_522;
-        const double d_528 = d_309*p_519 + d_334*p_520 + d_351*p_521 + d_360*p_522;
-        const double d_529 = d_310*p_519 + d_335*p_520 + d_352*p_521 + d_361*p_522;
-        const double d_530 = d_311*p_519 + d_336*p_520 + d_353*p_521 + d_362*p_522;
+        const double p_555 = x107;
+        const double x110 = e_100*x105;
+        const double p_556 = x110*(e_99 + x103);
+        const double x111 = -e_101*x110;
+        const double p_557 = x111;
+        const double x112 = -e_102*x110;
+        const double p_558 = x112;
+        const double d_559 = d_340*p_555 + d_365*p_556 + d_382*p_557 + d_391*p_558;
+        const double d_560 = d_341*p_555 + d_366*p_556 + d_383*p_557 + d_392*p_558;
+        const double d_561 = d_342*p_555 + d_367*p_556 + d_384*p_557 + d_393*p_558;
+        const double d_562 = d_343*p_555 + d_368*p_556 + d_385*p_557 + d_394*p_558;
+        const double d_563 = d_344*p_555 + d_369*p_556 + d_386*p_557 + d_395*p_558;
+        const double d_564 = d_345*p_555 + d_370*p_556 + d_387*p_557 + d_396*p_558;
+        const double d_565 = d_346*p_555 + d_371*p_556 + d_388*p_557 + d_397*p_558;
+        const double d_566 = d_347*p_555 + d_372*p_556 + d_389*p_557 + d_398*p_558;
         const double sig_106 = e_101*w_103;
-        const double p_531 = x104;
-        const double p_532 = x107;
-        const double x109 = e_100 + e_99;
-        const double x110 = e_101*x101;
-        const double p_533 = x110*(e_102 + x109);
-        const double x111 = -e_102*x110;
-        const double p_534 = x111;
-        const double d_535 = d_304*p_531 + d_329*p_532 + d_346*p_533 + d_355*p_534;
-        const double d_536 = d_305*p_531 + d_330*p_532 + d_347*p_533 + d_356*p_534;
-        const double d_537 = d_306*p_531 + d_331*p_532 + d_348*p_533 + d_357*p_534;
-        const double d_538 = d_307*p_531 + d_332*p_532 + d_349*p_533 + d_358*p_534;
-        const double d_539 = d_308*p_531 + d_333*p_532 + d_350*p_533 + d_359*p_534;
-        const double d_540 = d_309*p_531 + d_334*p_532 + d_351*p_533 + d_360*p_534;
-        const double d_541 = d_310*p_531 + d_335*p_532 + d_352*p_533 + d_361*p_534;
-        const double d_542 = d_311*p_531 + d_336*p_532 + d_353*p_533 + d_362*p_534;
+        const double p_567 = x108;
+        const double p_568 = x111;
+        const double x113 = e_100 + e_99;
+        const double x114 = e_101*x105;
+        const double p_569 = x114*(e_102 + x113);
+        const double x115 = -e_102*x114;
+        const double p_570 = x115;
+        const double d_571 = d_340*p_567 + d_365*p_568 + d_382*p_569 + d_391*p_570;
+        const double d_572 = d_341*p_567 + d_366*p_568 + d_383*p_569 + d_392*p_570;
+        const double d_573 = d_342*p_567 + d_367*p_568 + d_384*p_569 + d_393*p_570;
+        const double d_574 = d_343*p_567 + d_368*p_568 + d_385*p_569 + d_394*p_570;
+        const double d_575 = d_344*p_567 + d_369*p_568 + d_386*p_569 + d_395*p_570;
+        const double d_576 = d_345*p_567 + d_370*p_568 + d_387*p_569 + d_396*p_570;
+        const double d_577 = d_346*p_567 + d_371*p_568 + d_388*p_569 + d_397*p_570;
+        const double d_578 = d_347*p_567 + d_372*p_568 + d_389*p_569 + d_398*p_570;
         const double sig_107 = e_102*w_103;
-        const double p_543 = x105;
-        const double p_544 = x108;
-        const double p_545 = x111;
-        const double p_546 = e_102*x101*(e_101 + x109);
-        const double d_547 = d_304*p_543 + d_329*p_544 + d_346*p_545 + d_355*p_546;
-        const double d_548 = d_305*p_543 + d_330*p_544 + d_347*p_545 + d_356*p_546;
-        const double d_549 = d_306*p_543 + d_331*p_544 + d_348*p_545 + d_357*p_546;
-        const double d_550 = d_307*p_543 + d_332*p_544 + d_349*p_545 + d_358*p_546;
-        const double d_551 = d_308*p_543 + d_333*p_544 + d_350*p_545 + d_359*p_546;
-        const double d_552 = d_309*p_543 + d_334*p_544 + d_351*p_545 + d_360*p_546;
-        const double d_553 = d_310*p_543 + d_335*p_544 + d_352*p_545 + d_361*p_546;
-        const double d_554 = d_311*p_543 + d_336*p_544 + d_353*p_545 + d_362*p_546;
-        const double x112 = c + sig_74;
-        const double Phi_108 = Phi_50*x112 + sig_26*sig_75 + sig_36*sig_76 + sig_46*sig_77;
-        const double p_555 = x112;
-        const double d_556 = Phi_50*d_367 + d_139*p_555 + d_171*sig_75 + d_203*sig_76 + d_235*sig_77 + d_379*sig_26 + d_391*sig_36 + d_403*sig_46;
-        const double d_557 = Phi_50*d_368 + d_140*p_555 + d_172*sig_75 + d_204*sig_76 + d_236*sig_77 + d_380*sig_26 + d_392*sig_36 + d_404*sig_46;
-        const double d_558 = Phi_50*d_369 + d_141*p_555 + d_173*sig_75 + d_205*sig_76 + d_237*sig_77 + d_381*sig_26 + d_393*sig_36 + d_405*sig_46;
-        const double d_559 = Phi_50*d_370 + d_142*p_555 + d_174*sig_75 + d_206*sig_76 + d_238*sig_77 + d_382*sig_26 + d_394*sig_36 + d_406*sig_46;
-        const double d_560 = Phi_50*d_371 + d_383*sig_26 + d_395*sig_36 + d_407*sig_46;
-        const double d_561 = Phi_50*d_372 + d_384*sig_26 + d_396*sig_36 + d_408*sig_46;
-        const double d_562 = Phi_50*d_373 + d_385*sig_26 + d_397*sig_36 + d_409*sig_46;
-        const double d_563 = Phi_50*d_374 + d_386*sig_26 + d_398*sig_36 + d_410*sig_46;
-        const double Phi_109 = Phi_51*sig_75 + sig_17*x112 + sig_37*sig_76 + sig_47*sig_77;
-        const double p_564 = x112;
-        const double d_565 = Phi_51*d_379 + d_147*p_564 + d_179*sig_75 + d_211*sig_76 + d_243*sig_77 + d_367*sig_17 + d_391*sig_37 + d_403*sig_47;
-        const double d_566 = Phi_51*d_380 + d_148*p_564 + d_180*sig_75 + d_212*sig_76 + d_244*sig_77 + d_368*sig_17 + d_392*sig_37 + d_404*sig_47;
-        const double d_567 = Phi_51*d_381 + d_149*p_564 + d_181*sig_75 + d_213*sig_76 + d_245*sig_77 + d_369*sig_17 + d_393*sig_37 + d_405*sig_47;
-        const double d_568 = Phi_51*d_382 + d_150*p_564 + d_182*sig_75 + d_214*sig_76 + d_246*sig_77 + d_370*sig_17 + d_394*sig_37 + d_406*sig_47;
-        const double d_569 = Phi_51*d_383 + d_371*sig_17 + d_395*sig_37 + d_407*sig_47;
-        const double d_570 = Phi_51*d_384 + d_372*sig_17 + d_396*sig_37 + d_408*sig_47;
-        const double d_571 = Phi_51*d_385 + d_373*sig_17 + d_397*sig_37 + d_409*sig_47;
-        const double d_572 = Phi_51*d_386 + d_374*sig_17 + d_398*sig_37 + d_410*sig_47;
-        const double Phi_110 = Phi_52*sig_76 + sig_18*x112 + sig_28*sig_75 + sig_48*sig_77;
-        const double p_573 = x112;
-        const double d_574 = Phi_52*d_391 + d_155*p_573 + d_187*sig_75 + d_219*sig_76 + d_251*sig_77 + d_367*sig_18 + d_379*sig_28 + d_403*sig_48;
-        const double d_575 = Phi_52*d_392 + d_156*p_573 + d_188*sig_75 + d_220*sig_76 + d_252*sig_77 + d_368*sig_18 + d_380*sig_28 + d_404*sig_48;
-        const double d_576 = Phi_52*d_393 + d_157*p_573 + d_189*sig_75 + d_221*sig_76 + d_253*sig_77 + d_369*sig_18 + d_381*sig_28 + d_405*sig_48;
-        const double d_577 = Phi_52*d_394 + d_158*p_573 + d_190*sig_75 + d_222*sig_76 + d_254*sig_77 + d_370*sig_18 + d_382*sig_28 + d_406*sig_48;
-        const double d_578 = Phi_52*d_395 + d_371*sig_18 + d_383*sig_28 + d_407*sig_48;
-        const double d_579 = Phi_52*d_396 + d_372*sig_18 + d_384*sig_28 + d_408*sig_48;
-        const double d_580 = Phi_52*d_397 + d_373*sig_18 + d_385*sig_28 + d_409*sig_48;
-        const double d_581 = Phi_52*d_398 + d_374*sig_18 + d_386*sig_28 + d_410*sig_48;
-        const double Phi_111 = Phi_53*sig_77 + sig_19*x112 + sig_29*sig_75 + sig_39*sig_76;
-        const double p_582 = x112;
-        const double d_583 = Phi_53*d_403 + d_163*p_582 + d_195*sig_75 + d_227*sig_76 + d_259*sig_77 + d_367*sig_19 + d_379*sig_29 + d_391*sig_39;
-        const double d_584 = Phi_53*d_404 + d_164*p_582 + d_196*sig_75 + d_228*sig_76 + d_260*sig_77 + d_368*sig_19 + d_380*sig_29 + d_392*sig_39;
-        const double d_585 = Phi_53*d_405 + d_165*p_582 + d_197*sig_75 + d_229*sig_76 + d_261*sig_77 + d_369*sig_19 + d_381*sig_29 + d_393*sig_39;
-        const double d_586 = Phi_53*d_406 + d_166*p_582 + d_198*sig_75 + d_230*sig_76 + d_262*sig_77 + d_370*sig_19 + d_382*sig_29 + d_394*sig_39;
-        const double d_587 = Phi_53*d_407 + d_371*sig_19 + d_383*sig_29 + d_395*sig_39;
-        const double d_588 = Phi_53*d_408 + d_372*sig_19 + d_384*sig_29 + d_396*sig_39;
-        const double d_589 = Phi_53*d_409 + d_373*sig_19 + d_385*sig_29 + d_397*sig_39;
-        const double d_590 = Phi_53*d_410 + d_374*sig_19 + d_386*sig_29 + d_398*sig_39;
-        const double x113 = c + sig_85;
-        const double Phi_112 = Phi_50*sig_84 + sig_26*x113 + sig_36*sig_86 + sig_46*sig_87;
-        const double p_591 = x113;
-        const double d_592 = Phi_50*d_415 + d_139*sig_84 + d_171*p_591 + d_203*sig_86 + d_235*sig_87 + d_427*sig_26 + d_439*sig_36 + d_451*sig_46;
-        const double d_593 = Phi_50*d_416 + d_140*sig_84 + d_172*p_591 + d_204*sig_86 + d_236*sig_87 + d_428*sig_26 + d_440*sig_36 + d_452*sig_46;
-        const double d_594 = Phi_50*d_417 + d_141*sig_84 + d_173*p_591 + d_205*sig_86 + d_237*sig_87 + d_429*sig_26 + d_441*sig_36 + d_453*sig_46;
-        const double d_595 = Phi_50*d_418 + d_142*sig_84 + d_174*p_591 + d_206*sig_86 + d_238*sig_87 + d_430*sig_26 + d_442*sig_36 + d_454*sig_46;
-        const double d_596 = Phi_50*d_419 + d_431*sig_26 + d_443*sig_36 + d_455*sig_46;
-        const double d_597 = Phi_50*d_420 + d_432*sig_26 + d_444*sig_36 + d_456*sig_46;
-        const double d_598 = Phi_50*d_421 + d_433*sig_26 + d_445*sig_36 + d_457*sig_46;
-        const double d_599 = Phi_50*d_422 + d_434*sig_26 + d_446*sig_36 + d_458*sig_46;
-        const double Phi_113 = Phi_51*x113 + sig_17*sig_84 + sig_37*sig_86 + sig_47*sig_87;
-        const double p_600 = x113;
-        const double d_601 = Phi_51*d_427 + d_147*sig_84 + d_179*p_600 + d_211*sig_86 + d_243*sig_87 + d_415*sig_17 + d_439*sig_37 + d_451*sig_47;
-        const double d_602 = Phi_51*d_428 + d_148*sig_84 + d_180*p_600 + d_212*sig_86 + d_244*sig_87 + d_416*sig_17 + d_440*sig_37 + d_452*sig_47;
-        const double d_603 = Phi_51*d_429 + d_149*sig_84 + d_181*p_600 + d_213*sig_86 + d_245*sig_87 + d_417*sig_17 + d_441*sig_37 + d_453*sig_47;
-        const double d_604 = Phi_51*d_430 + d_150*sig_84 + d_182*p_600 + d_214*sig_86 + d_246*sig_87 + d_418*sig_17 + d_442*sig_37 + d_454*sig_47;
-        const double d_605 = Phi_51*d_431 + d_419*sig_17 + d_443*sig_37 + d_455*sig_47;
-        const double d_606 = Phi_51*d_432 + d_420*sig_17 + d_444*sig_37 + d_456*sig_47;
-        const double d_607 = Phi_51*d_433 + d_421*sig_17 + d_445*sig_37 + d_457*sig_47;
-        const double d_608 = Phi_51*d_434 + d_422*sig_17 + d_446*sig_37 + d_458*sig_47;
-        const double Phi_114 = Phi_52*sig_86 + sig_18*sig_84 + sig_28*x113 + sig_48*sig_87;
-        const double p_609 = x113;
-        const double d_610 = Phi_52*d_439 + d_155*sig_84 + d_187*p_609 + d_219*sig_86 + d_251*sig_87 + d_415*sig_18 + d_427*sig_28 + d_451*sig_48;
-        const double d_611 = Phi_52*d_440 + d_156*sig_84 + d_188*p_609 + d_220*sig_86 + d_252*sig_87 + d_416*sig_18 + d_428*sig_28 + d_452*sig_48;
-        const double d_612 = Phi_52*d_441 + d_157*sig_84 + d_189*p_609 + d_221*sig_86 + d_253*sig_87 + d_417*sig_18 + d_429*sig_28 + d_453*sig_48;
-        const double d_613 = Phi_52*d_442 + d_158*sig_84 + d_190*p_609 + d_222*sig_86 + d_254*sig_87 + d_418*sig_18 + d_430*sig_28 + d_454*sig_48;
-        const double d_614 = Phi_52*d_443 + d_419*sig_18 + d_431*sig_28 + d_455*sig_48;
-        const double d_615 = Phi_52*d_444 + d_420*sig_18 + d_432*sig_28 + d_456*sig_48;
-        const double d_616 = Phi_52*d_445 + d_421*sig_18 + d_433*sig_28 + d_457*sig_48;
-        const double d_617 = Phi_52*d_446 + d_422*sig_18 + d_434*sig_28 + d_458*sig_48;
-        const double Phi_115 = Phi_53*sig_87 + sig_19*sig_84 + sig_29*x113 + sig_39*sig_86;
-        const double p_618 = x113;
-        const double d_619 = Phi_53*d_451 + d_163*sig_84 + d_195*p_618 + d_227*sig_86 + d_259*sig_87 + d_415*sig_19 + d_427*sig_29 + d_439*sig_39;
-        const double d_620 = Phi_53*d_452 + d_164*sig_84 + d_196*p_618 + d_228*sig_86 + d_260*sig_87 + d_416*sig_19 + d_428*sig_29 + d_440*sig_39;
-        const double d_621 = Phi_53*d_453 + d_165*sig_84 + d_197*p_618 + d_229*sig_86 + d_261*sig_87 + d_417*sig_19 + d_429*sig_29 + d_441*sig_39;
-        const double d_622 = Phi_53*d_454 + d_166*sig_84 + d_198*p_618 + d_230*sig_86 + d_262*sig_87 + d_418*sig_19 + d_430*sig_29 + d_442*sig_39;
-        const double d_623 = Phi_53*d_455 + d_419*sig_19 + d_431*sig_29 + d_443*sig_39;
-        const double d_624 = Phi_53*d_456 + d_420*sig_19 + d_432*sig_29 + d_444*sig_39;
-        const double d_625 = Phi_53*d_457 + d_421*sig_19 + d_433*sig_29 + d_445*sig_39;
-        const double d_626 = Phi_53*d_458 + d_422*sig_19 + d_434*sig_29 + d_446*sig_39;
-        const double x114 = c + sig_96;
-        const double Phi_116 = Phi_50*sig_94 + sig_26*sig_95 + sig_36*x114 + sig_46*sig_97;
-        const double p_627 = x114;
-        const double d_628 = Phi_50*d_463 + d_139*sig_94 + d_171*sig_95 + d_203*p_627 + d_235*sig_97 + d_475*sig_26 + d_487*sig_36 + d_499*sig_46;
-        const double d_629 = Phi_50*d_464 + d_140*sig_94 + d_172*sig_95 + d_204*p_627 + d_236*sig_97 + d_476*sig_26 + d_488*sig_36 + d_500*sig_46;
-        const double d_630 = Phi_50*d_465 + d_141*sig_94 + d_173*sig_95 + d_205*p_627 + d_237*sig_97 + d_477*sig_26 + d_489*sig_36 + d_501*sig_46;
-        const double d_631 = Phi_50*d_466 + d_142*sig_94 + d_174*sig_95 + d_206*p_627 + d_238*sig_97 + d_478*sig_26 + d_490*sig_36 + d_502*sig_46;
-        const double d_632 = Phi_50*d_467 + d_479*sig_26 + d_491*sig_36 + d_503*sig_46;
-        const double d_633 = Phi_50*d_468 + d_480*sig_26 + d_492*sig_36 + d_504*sig_46;
-        const double d_634 = Phi_50*d_469 + d_481*sig_26 + d_493*sig_36 + d_505*sig_46;
-        const double d_635 = Phi_50*d_470 + d_482*sig_26 + d_494*sig_36 + d_506*sig_46;
-        const double Phi_117 = Phi_51*sig_95 + sig_17*sig_94 + sig_37*x114 + sig_47*sig_97;
-        const double p_636 = x114;
-        const double d_637 = Phi_51*d_475 + d_147*sig_94 + d_179*sig_95 + d_211*p_636 + d_243*sig_97 + d_463*sig_17 + d_487*sig_37 + d_499*sig_47;
-        const double d_638 = Phi_51*d_476 + d_148*sig_94 + d_180*sig_95 + d_212*p_636 + d_244*sig_97 + d_464*sig_17 + d_488*sig_37 + d_500*sig_47;
-        const double d_639 = Phi_51*d_477 + d_149*sig_94 + d_181*sig_95 + d_213*p_636 + d_245*sig_97 + d_465*sig_17 + d_489*sig_37 + d_501*sig_47;
-        const double d_640 = Phi_51*d_478 + d_150*sig_94 + d_182*sig_95 + d_214*p_636 + d_246*sig_97 + d_466*sig_17 + d_490*sig_37 + d_502*sig_47;
-        const double d_641 = Phi_51*d_479 + d_467*sig_17 + d_491*sig_37 + d_503*sig_47;
-        const double d_642 = Phi_51*d_480 + d_468*sig_17 + d_492*sig_37 + d_504*sig_47;
-        const double d_643 = Phi_51*d_481 + d_469*sig_17 + d_493*sig_37 + d_505*sig_47;
-        const double d_644 = Phi_51*d_482 + d_470*sig_17 + d_494*sig_37 + d_506*sig_47;
-        const double Phi_118 = Phi_52*x114 + sig_18*sig_94 + sig_28*sig_95 + sig_48*sig_97;
-        const double p_645 = x114;
-        const double d_646 = Phi_52*d_487 + d_155*sig_94 + d_187*sig_95 + d_219*p_645 + d_251*sig_97 + d_463*sig_18 + d_475*sig_28 + d_499*sig_48;
-        const double d_647 = Phi_52*d_488 + d_156*sig_94 + d_188*sig_95 + d_220*p_645 + d_252*sig_97 + d_464*sig_18 + d_476*sig_28 + d_500*sig_48;
-        const double d_648 = Phi_52*d_489 + d_157*sig_94 + d_189*sig_95 + d_221*p_645 + d_253*sig_97 + d_465*sig_18 + d_477*sig_28 + d_501*sig_48;
-        const double d_649 = Phi_52*d_490 + d_158*sig_94 + d_190*sig_95 + d_222*p_645 + d_254*sig_97 + d_466*sig_18 + d_478*sig_28 + d_502*sig_48;
-        const double d_650 = Phi_52*d_491 + d_467*sig_18 + d_479*sig_28 + d_503*sig_48;
-        const double d_651 = Phi_52*d_492 + d_468*sig_18 + d_480*sig_28 + d_504*sig_48;
-        const double d_652 = Phi_52*d_493 + d_469*sig_18 + d_481*sig_28 + d_505*sig_48;
-        const double d_653 = Phi_52*d_494 + d_470*sig_18 + d_482*sig_28 + d_506*sig_48;
-        const double Phi_119 = Phi_53*sig_97 + sig_19*sig_94 + sig_29*sig_95 + sig_39*x114;
-        const double p_654 = x114;
-        const double d_655 = Phi_53*d_499 + d_163*sig_94 + d_195*sig_95 + d_227*p_654 + d_259*sig_97 + d_463*sig_19 + d_475*sig_29 + d_487*sig_39;
-        const double d_656 = Phi_53*d_500 + d_164*sig_94 + d_196*sig_95 + d_228*p_654 + d_260*sig_97 + d_464*sig_19 + d_476*sig_29 + d_488*sig_39;
-        const double d_657 = Phi_53*d_501 + d_165*sig_94 + d_197*sig_95 + d_229*p_654 + d_261*sig_97 + d_465*sig_19 + d_477*sig_29 + d_489*sig_39;
-        const double d_658 = Phi_53*d_502 + d_166*sig_94 + d_198*sig_95 + d_230*p_654 + d_262*sig_97 + d_466*sig_19 + d_478*sig_29 + d_490*sig_39;
-        const double d_659 = Phi_53*d_503 + d_467*sig_19 + d_479*sig_29 + d_491*sig_39;
-        const double d_660 = Phi_53*d_504 + d_468*sig_19 + d_480*sig_29 + d_492*sig_39;
-        const double d_661 = Phi_53*d_505 + d_469*sig_19 + d_481*sig_29 + d_493*sig_39;
-        const double d_662 = Phi_53*d_506 + d_470*sig_19 + d_482*sig_29 + d_494*sig_39;
-        const double x115 = c + sig_107;
-        const double Phi_120 = Phi_50*sig_104 + sig_105*sig_26 + sig_106*sig_36 + sig_46*x115;
-        const double p_663 = x115;
-        const double d_664 = Phi_50*d_511 + d_139*sig_104 + d_171*sig_105 + d_203*sig_106 + d_235*p_663 + d_523*sig_26 + d_535*sig_36 + d_547*sig_46;
-        const double d_665 = Phi_50*d_512 + d_140*sig_104 + d_172*sig_105 + d_204*sig_106 + d_236*p_663 + d_524*sig_26 + d_536*sig_36 + d_548*sig_46;
-        const double d_666 = Phi_50*d_513 + d_141*sig_104 + d_173*sig_105 + d_205*sig_106 + d_237*p_663 + d_525*sig_26 + d_537*sig_36 + d_549*sig_46;
-        const double d_667 = Phi_50*d_514 + d_142*sig_104 + d_174*sig_105 + d_206*sig_106 + d_238*p_663 + d_526*sig_26 + d_538*sig_36 + d_550*sig_46;
-        const double d_668 = Phi_50*d_515 + d_527*sig_26 + d_539*sig_36 + d_551*sig_46;
-        const double d_669 = Phi_50*d_516 + d_528*sig_26 + d_540*sig_36 + d_552*sig_46;
-        const double d_670 = Phi_50*d_517 + d_529*sig_26 + d_541*sig_36 + d_553*sig_46;
-        const double d_671 = Phi_50*d_518 + d_530*sig_26 + d_542*sig_36 + d_554*sig_46;
-        const double Phi_121 = Phi_51*sig_105 + sig_104*sig_17 + sig_106*sig_37 + sig_47*x115;
-        const double p_672 = x115;
-        const double d_673 = Phi_51*d_523 + d_147*sig_104 + d_179*sig_105 + d_211*sig_106 + d_243*p_672 + d_511*sig_17 + d_535*sig_37 + d_547*sig_47;
-        const double d_674 = Phi_51*d_524 + d_148*sig_104 + d_180*sig_105 + d_212*sig_106 + d_244*p_672 + d_512*sig_17 + d_536*sig_37 + d_548*sig_47;
-        const double d_675 = Phi_51*d_525 + d_149*sig_104 + d_181*sig_105 + d_213*sig_106 + d_245*p_672 + d_513*sig_17 + d_537*sig_37 + d_549*sig_47;
-        const double d_676 = Phi_51*d_526 + d_150*sig_104 + d_182*sig_105 + d_214*sig_106 + d_246*p_672 + d_514*sig_17 + d_538*sig_37 + d_550*sig_47;
-        const double d_677 = Phi_51*d_527 + d_515*sig_17 + d_539*sig_37 + d_551*sig_47;
-        const double d_678 = Phi_51*d_528 + d_516*sig_17 + d_540*sig_37 + d_552*sig_47;
-        const double d_679 = Phi_51*d_529 + d_517*sig_17 + d_541*sig_37 + d_553*sig_47;
-        const double d_680 = Phi_51*d_530 + d_518*sig_17 + d_542*sig_37 + d_554*sig_47;
-        const double Phi_122 = Phi_52*sig_106 + sig_104*sig_18 + sig_105*sig_28 + sig_48*x115;
-        const double p_681 = x115;
-        const double d_682 = Phi_52*d_535 + d_155*sig_104 + d_187*sig_105 + d_219*sig_106 + d_251*p_681 + d_511*sig_18 + d_523*sig_28 + d_547*sig_48;
-        const double d_683 = Phi_52*d_536 + d_156*sig_104 + d_188*sig_105 + d_220*sig_106 + d_252*p_681 + d_512*sig_18 + d_524*sig_28 + d_548*sig_48;
-        const double d_684 = Phi_52*d_537 + d_157*sig_104 + d_189*sig_105 + d_221*sig_106 + d_253*p_681 + d_513*sig_18 + d_525*sig_28 + d_549*sig_48;
-        const double d_685 = Phi_52*d_538 + d_158*sig_104 + d_190*sig_105 + d_222*sig_106 + d_254*p_681 + d_514*sig_18 + d_526*sig_28 + d_550*sig_48;
-        const double d_686 = Phi_52*d_539 + d_515*sig_18 + d_527*sig_28 + d_551*sig_48;
-        const double d_687 = Phi_52*d_540 + d_516*sig_18 + d_528*sig_28 + d_552*sig_48;
-        const double d_688 = Phi_52*d_541 + d_517*sig_18 + d_529*sig_28 + d_553*sig_48;
-        const double d_689 = Phi_52*d_542 + d_518*sig_18 + d_530*sig_28 + d_554*sig_48;
-        const double Phi_123 = Phi_53*x115 + sig_104*sig_19 + sig_105*sig_29 + sig_106*sig_39;
-        const double p_690 = x115;
-        const double d_691 = Phi_53*d_547 + d_163*sig_104 + d_195*sig_105 + d_227*sig_106 + d_259*p_690 + d_511*sig_19 + d_523*sig_29 + d_535*sig_39;
-        const double d_692 = Phi_53*d_548 + d_164*sig_104 + d_196*sig_105 + d_228*sig_106 + d_260*p_690 + d_512*sig_19 + d_524*sig_29 + d_536*sig_39;
-        const double d_693 = Phi_53*d_549 + d_165*sig_104 + d_197*sig_105 + d_229*sig_106 + d_261*p_690 + d_513*sig_19 + d_525*sig_29 + d_537*sig_39;
-        const double d_694 = Phi_53*d_550 + d_166*sig_104 + d_198*sig_105 + d_230*sig_106 + d_262*p_690 + d_514*sig_19 + d_526*sig_29 + d_538*sig_39;
-        const double d_695 = Phi_53*d_551 + d_515*sig_19 + d_527*sig_29 + d_539*sig_39;
-        const double d_696 = Phi_53*d_552 + d_516*sig_19 + d_528*sig_29 + d_540*sig_39;
-        const double d_697 = Phi_53*d_553 + d_517*sig_19 + d_529*sig_29 + d_541*sig_39;
-        const double d_698 = Phi_53*d_554 + d_518*sig_19 + d_530*sig_29 + d_542*sig_39;
-        const double x116 = Phi_112*Phi_113;
-        const double x117 = Phi_114*Phi_116;
-        const double x118 = Phi_115*Phi_120;
-        const double x119 = x117 + x118;
-        const double x120 = x116 + x119;
-        const double x121 = Phi_116*Phi_118;
-        const double x122 = Phi_112*Phi_117;
-        const double x123 = Phi_119*Phi_120;
-        const double x124 = x122 + x123;
-        const double x125 = x121 + x124;
-        const double x126 = Phi_120*Phi_123;
-        const double x127 = Phi_116*Phi_122;
-        const double x128 = Phi_112*Phi_121;
-        const double x129 = x127 + x128;
-        const double x130 = x126 + x129;
-        const double x131 = Phi_113*x120 + Phi_114*x125 + Phi_115*x130;
-        const double x132 = Phi_117*x120 + Phi_118*x125 + Phi_119*x130;
-        const double x133 = Phi_121*x120 + Phi_122*x125 + Phi_123*x130;
-        const double x134 = Phi_109*Phi_112;
-        const double x135 = Phi_110*Phi_116;
-        const double x136 = Phi_111*Phi_120;
-        const double x137 = -x134 - x135 - x136;
-        const double x138 = Phi_119*Phi_122;
-        const double x139 = Phi_118 + Phi_123;
-        const double x140 = -x139;
-        const double x141 = Phi_118*Phi_123;
-        const double x142 = Phi_114*Phi_117;
-        const double x143 = Phi_115*Phi_121;
-        const double x144 = x142 + x143;
-        const double x145 = -Phi_113*x140 - x138 + x141 - x144;
-        const double x146 = Phi_119*Phi_121;
-        const double x147 = Phi_117*Phi_118 + x146;
-        const double x148 = Phi_117*Phi_122;
-        const double x149 = Phi_121*Phi_123 + x148;
-        const double x150 = -x138 + x141;
-        const double x151 = Phi_113*x150 + Phi_114*x147 + Phi_115*x149 + x140*x144;
-        const double x152 = -Phi_113 - x139;
-        const double x153 = Phi_109*x120;
-        const double x154 = Phi_110*x125;
-        const double x155 = Phi_111*x130;
-        const double det_124 = Phi_108*x151 - Phi_109*x131 - Phi_110*x132 - Phi_111*x133 + x137*x145 + x152*(-x153 - x154 - x155);
-        const double p_699 = x151;
-        const double p_700 = -Phi_112*x145 - x120*x152 - x131;
-        const double p_701 = -Phi_116*x145 - x125*x152 - x132;
-        const double p_702 = -Phi_120*x145 - x130*x152 - x133;
-        const double x156 = Phi_110*Phi_117;
-        const double x157 = Phi_111*Phi_121;
-        const double p_703 = -Phi_109*x145 - Phi_109*((Phi_113*Phi_113) + x144) - Phi_110*(Phi_113*Phi_117 + x147) - Phi_111*(Phi_113*Phi_121 + x149) + x152*(-Phi_109*Phi_113 - x156 - x157);
-        const double x158 = Phi_111*x128;
-        const double x159 = Phi_110*x122;
-        const double x160 = -x150;
-        const double x161 = -x153 - x154 - x155;
-        const double p_704 = -Phi_108*x160 - Phi_109*(2*x116 + x119) - x134*x152 + x137*x139 - x158 - x159 - x161;
-        const double x162 = Phi_116*x157;
-        const double x163 = Phi_109*Phi_116;
-        const double x164 = Phi_113*Phi_116;
-        const double p_705 = -Phi_108*(-Phi_117*x140 - x147) - Phi_109*(x125 + x164) - Phi_117*x135 - Phi_117*x137 - x152*x163 - x162;
-        const double x165 = Phi_120*x156;
-        const double x166 = Phi_113*Phi_120;
-        const double p_706 = -Phi_108*(-Phi_121*x140 - x149) - Phi_109*Phi_120*x152 - Phi_109*(x130 + x166) - Phi_121*x136 - Phi_121*x137 - x165;
-        const double x167 = Phi_115*Phi_122;
-        const double x168 = Phi_114*Phi_118 + x167;
-        const double x169 = Phi_114*Phi_121;
-        const double x170 = Phi_109*Phi_114;
-        const double x171 = Phi_111*Phi_122;
-        const double p_707 = -Phi_109*(Phi_113*Phi_114 + x168) - Phi_110*x145 - Phi_110*((Phi_118*Phi_118) + x138 + x142) - Phi_111*(Phi_118*Phi_122 + Phi_122*Phi_123 + x169) + x152*(-Phi_110*Phi_118 - x170 - x171);
-        const double x172 = Phi_112*x171;
-        const double x173 = Phi_110*Phi_112;
-        const double x174 = Phi_112*Phi_118;
-        const double p_708 = -Phi_108*(-Phi_114*x140 - x168) - Phi_110*(x120 + x174) - Phi_114*x134 - Phi_114*x137 - x152*x173 - x172;
-        const double x175 = Phi_111*x127;
-        const double x176 = Phi_109*x117;
-        const double x177 = Phi_113*Phi_123;
-        const double x178 = -x143 + x177;
-        const double x179 = -x178;
-        const double p_709 = -Phi_108*x179 - Phi_110*(2*x121 + x124) - x135*x152 + x137*(Phi_113 + Phi_123) - x161 - x175 - x176;
-        const double x180 = Phi_120*x170;
-        const double x181 = Phi_113*Phi_122;
-        const double x182 = -x169 + x181;
-        const double x183 = Phi_110*Phi_120;
-        const double x184 = Phi_118*Phi_120;
-        const double p_710 = -Phi_108*x182 - Phi_110*(x130 + x184) - Phi_122*x136 - Phi_122*x137 - x152*x183 - x180;
-        const double x185 = Phi_114*Phi_119;
-        const double x186 = Phi_115*Phi_123 + x185;
-        const double x187 = Phi_115*Phi_117;
-        const double x188 = Phi_109*Phi_115;
-        const double x189 = Phi_110*Phi_119;
-        const double p_711 = -Phi_109*(Phi_113*Phi_115 + x186) - Phi_110*(Phi_118*Phi_119 + Phi_119*Phi_123 + x187) - Phi_111*x145 - Phi_111*((Phi_123*Phi_123) + x138 + x143) + x152*(-Phi_111*Phi_123 - x188 - x189);
-        const double x190 = Phi_112*x189;
-        const double x191 = Phi_112*Phi_123;
-        const double p_712 = -Phi_108*(-Phi_115*x140 - x186) - Phi_111*Phi_112*x152 - Phi_111*(x120 + x191) - Phi_115*x134 - Phi_115*x137 - x190;
-        const double x192 = Phi_116*x188;
-        const double x193 = Phi_113*Phi_119;
-        const double x194 = -x187 + x193;
-        const double x195 = Phi_111*Phi_116;
-        const double x196 = Phi_116*Phi_123;
-        const double p_713 = -Phi_108*x194 - Phi_111*(x125 + x196) - Phi_119*x135 - Phi_119*x137 - x152*x195 - x192;
-        const double x197 = Phi_110*x123;
-        const double x198 = Phi_109*x118;
-        const double x199 = Phi_113*Phi_118;
-        const double x200 = -x142 + x199;
-        const double x201 = -x200;
-        const double p_714 = -Phi_108*x201 - Phi_111*(2*x126 + x129) - x136*x152 + x137*(Phi_113 + Phi_118) - x161 - x197 - x198;
-        const double d_715 = d_556*p_699 + d_565*p_700 + d_574*p_701 + d_583*p_702 + d_592*p_703 + d_601*p_704 + d_610*p_705 + d_619*p_706 + d_628*p_707 + d_637*p_708 + d_646*p_709 + d_655*p_710 + d_664*p_711 + d_673*p_712 + d_682*p_713 + d_691*p_714;
-        const double d_716 = d_557*p_699 + d_566*p_700 + d_575*p_701 + d_584*p_702 + d_593*p_703 + d_602*p_704 + d_611*p_705 + d_620*p_706 + d_629*p_707 + d_638*p_708 + d_647*p_709 + d_656*p_710 + d_665*p_711 + d_674*p_712 + d_683*p_713 + d_692*p_714;
-        const double d_717 = d_558*p_699 + d_567*p_700 + d_576*p_701 + d_585*p_702 + d_594*p_703 + d_603*p_704 + d_612*p_705 + d_621*p_706 + d_630*p_707 + d_639*p_708 + d_648*p_709 + d_657*p_710 + d_666*p_711 + d_675*p_712 + d_684*p_713 + d_693*p_714;
-        const double d_718 = d_559*p_699 + d_568*p_700 + d_577*p_701 + d_586*p_702 + d_595*p_703 + d_604*p_704 + d_613*p_705 + d_622*p_706 + d_631*p_707 + d_640*p_708 + d_649*p_709 + d_658*p_710 + d_667*p_711 + d_676*p_712 + d_685*p_713 + d_694*p_714;
-        const double d_719 = d_560*p_699 + d_569*p_700 + d_578*p_701 + d_587*p_702 + d_596*p_703 + d_605*p_704 + d_614*p_705 + d_623*p_706 + d_632*p_707 + d_641*p_708 + d_650*p_709 + d_659*p_710 + d_668*p_711 + d_677*p_712 + d_686*p_713 + d_695*p_714;
-        const double d_720 = d_561*p_699 + d_570*p_700 + d_579*p_701 + d_588*p_702 + d_597*p_703 + d_606*p_704 + d_615*p_705 + d_624*p_706 + d_633*p_707 + d_642*p_708 + d_651*p_709 + d_660*p_710 + d_669*p_711 + d_678*p_712 + d_687*p_713 + d_696*p_714;
-        const double d_721 = d_562*p_699 + d_571*p_700 + d_580*p_701 + d_589*p_702 + d_598*p_703 + d_607*p_704 + d_616*p_705 + d_625*p_706 + d_634*p_707 + d_643*p_708 + d_652*p_709 + d_661*p_710 + d_670*p_711 + d_679*p_712 + d_688*p_713 + d_697*p_714;
-        const double d_722 = d_563*p_699 + d_572*p_700 + d_581*p_701 + d_590*p_702 + d_599*p_703 + d_608*p_704 + d_617*p_705 + d_626*p_706 + d_635*p_707 + d_644*p_708 + d_653*p_709 + d_662*p_710 + d_671*p_711 + d_680*p_712 + d_689*p_713 + d_698*p_714;
-        const double x202 = fabs(det_124);
-        const double logdet_125 = log(x202);
-        const double p_723 = (((det_124) > 0) - ((det_124) < 0))/x202;
-        const double d_724 = d_715*p_723;
-        const double d_725 = d_716*p_723;
-        const double d_726 = d_717*p_723;
-        const double d_727 = d_718*p_723;
-        const double d_728 = d_719*p_723;
-        const double d_729 = d_720*p_723;
-        const double d_730 = d_721*p_723;
-        const double d_731 = d_722*p_723;
-        const double idet_126 = (1.0/(det_124));
-        const double p_732 = -(idet_126*idet_126);
-        const double d_733 = d_715*p_732;
-        const double d_734 = d_716*p_732;
-        const double d_735 = d_717*p_732;
-        const double d_736 = d_718*p_732;
-        const double d_737 = d_719*p_732;
-        const double d_738 = d_720*p_732;
-        const double d_739 = d_721*p_732;
-        const double d_740 = d_722*p_732;
-        const double x203 = u_0_0*(-Phi_113*x138 + Phi_113*x141 + Phi_114*x146 + Phi_115*x148 - Phi_118*x143 - Phi_123*x142) + u_1_0*(Phi_109*Phi_119*Phi_122 - Phi_109*x141 + Phi_110*Phi_117*Phi_123 - Phi_110*x146 + Phi_111*Phi_118*Phi_121 - Phi_111*x148) + u_2_0*(-Phi_109*x167 + Phi_110*x143 - Phi_110*x177 + Phi_113*x171 - Phi_114*x157 + Phi_123*x170) + u_3_0*(Phi_109*Phi_115*Phi_118 + Phi_110*Phi_113*Phi_119 + Phi_111*Phi_114*Phi_117 - Phi_111*x199 - Phi_115*x156 - Phi_119*x170);
-        const double h_127 = idet_126*x203;
-        const double x204 = Phi_114*Phi_123;
-        const double x205 = -x167 + x204;
-        const double x206 = -Phi_115*Phi_118 + x185;
-        const double x207 = -x206;
-        const double p_741 = idet_126*(u_1_0*x160 + u_2_0*x205 + u_3_0*x207);
-        const double x208 = Phi_117*Phi_123;
-        const double x209 = -x146 + x208;
-        const double p_742 = idet_126*(u_1_0*x209 + u_2_0*x179 + u_3_0*x194);
-        const double x210 = -Phi_118*Phi_121 + x148;
-        const double x211 = -x210;
-        const double p_743 = idet_126*(u_1_0*x211 + u_2_0*x182 + u_3_0*x201);
-        const double x212 = Phi_110*Phi_123 - x171;
-        const double x213 = -x212;
-        const double x214 = -Phi_111*Phi_118 + x189;
-        const double p_744 = idet_126*(u_0_0*x150 + u_2_0*x213 + u_3_0*x214);
-        const double x215 = -x209;
-        const double x216 = Phi_109*Phi_123 - x157;
-        const double x217 = Phi_109*Phi_119 - Phi_111*Phi_117;
-        const double x218 = -x217;
-        const double p_745 = idet_126*(u_0_0*x215 + u_2_0*x216 + u_3_0*x218);
-        const double x219 = Phi_109*Phi_122 - Phi_110*Phi_121;
-        const double x220 = -x219;
-        const double x221 = Phi_109*Phi_118 - x156;
-        const double p_746 = idet_126*(u_0_0*x210 + u_2_0*x220 + u_3_0*x221);
-        const double x222 = -x205;
-        const double x223 = Phi_110*Phi_115 - Phi_111*Phi_114;
-        const double x224 = -x223;
-        const double p_747 = idet_126*(u_0_0*x222 + u_1_0*x212 + u_3_0*x224);
-        const double x225 = -x216;
-        const double x226 = -Phi_111*Phi_113 + x188;
-        const double p_748 = idet_126*(u_0_0*x178 + u_1_0*x225 + u_3_0*x226);
-        const double x227 = -x182;
-        const double x228 = -Phi_110*Phi_113 + x170;
-        const double x229 = -x228;
-        const double p_749 = idet_126*(u_0_0*x227 + u_1_0*x219 + u_3_0*x229);
-        const double x230 = -x214;
-        const double p_750 = idet_126*(u_0_0*x206 + u_1_0*x230 + u_2_0*x223);
-        const double x231 = -x194;
-        const double x232 = -x226;
-        const double p_751 = idet_126*(u_0_0*x231 + u_1_0*x217 + u_2_0*x232);
-        const double x233 = -x221;
-        const double p_752 = idet_126*(u_0_0*x200 + u_1_0*x233 + u_2_0*x228);
-        const double p_753 = x203;
-        const double d_754 = d_565*p_741 + d_574*p_742 + d_583*p_743 + d_601*p_744 + d_610*p_745 + d_619*p_746 + d_637*p_747 + d_646*p_748 + d_655*p_749 + d_673*p_750 + d_682*p_751 + d_691*p_752 + d_733*p_753;
-        const double d_755 = d_566*p_741 + d_575*p_742 + d_584*p_743 + d_602*p_744 + d_611*p_745 + d_620*p_746 + d_638*p_747 + d_647*p_748 + d_656*p_749 + d_674*p_750 + d_683*p_751 + d_692*p_752 + d_734*p_753;
-        const double d_756 = d_567*p_741 + d_576*p_742 + d_585*p_743 + d_603*p_744 + d_612*p_745 + d_621*p_746 + d_639*p_747 + d_648*p_748 + d_657*p_749 + d_675*p_750 + d_684*p_751 + d_693*p_752 + d_735*p_753;
-        const double d_757 = d_568*p_741 + d_577*p_742 + d_586*p_743 + d_604*p_744 + d_613*p_745 + d_622*p_746 + d_640*p_747 + d_649*p_748 + d_658*p_749 + d_676*p_750 + d_685*p_751 + d_694*p_752 + d_736*p_753;
-        const double d_758 = d_569*p_741 + d_578*p_742 + d_587*p_743 + d_605*p_744 + d_614*p_745 + d_623*p_746 + d_641*p_747 + d_650*p_748 + d_659*p_749 + d_677*p_750 + d_686*p_751 + d_695*p_752 + d_737*p_753;
-        const double d_759 = d_570*p_741 + d_579*p_742 + d_588*p_743 + d_606*p_744 + d_615*p_745 + d_624*p_746 + d_642*p_747 + d_651*p_748 + d_660*p_749 + d_678*p_750 + d_687*p_751 + d_696*p_752 + d_738*p_753;
-        const double d_760 = d_571*p_741 + d_580*p_742 + d_589*p_743 + d_607*p_744 + d_616*p_745 + d_625*p_746 + d_643*p_747 + d_652*p_748 + d_661*p_749 + d_679*p_750 + d_688*p_751 + d_697*p_752 + d_739*p_753;
-        const double d_761 = d_572*p_741 + d_581*p_742 + d_590*p_743 + d_608*p_744 + d_617*p_745 + d_626*p_746 + d_644*p_747 + d_653*p_748 + d_662*p_749 + d_680*p_750 + d_689*p_751 + d_698*p_752 + d_740*p_753;
-        const double x234 = u_0_0*(Phi_112*Phi_119*Phi_122 - Phi_112*x141 + Phi_114*Phi_116*Phi_123 - Phi_114*x123 + Phi_115*Phi_118*Phi_120 - Phi_115*x127) + u_1_0*(-Phi_108*x138 + Phi_108*x141 - Phi_118*x136 - Phi_123*x135 + x175 + x197) + u_2_0*(Phi_108*Phi_115*Phi_122 - Phi_108*x204 + Phi_110*Phi_112*Phi_123 - Phi_110*x118 + Phi_111*Phi_114*Phi_120 - x172) + u_3_0*(-Phi_108*Phi_115*Phi_118 + Phi_108*x185 - Phi_111*x117 + Phi_111*x174 + Phi_115*x135 - x190);
-        const double h_128 = idet_126*x234;
-        const double p_762 = idet_126*(u_1_0*x150 + u_2_0*x222 + u_3_0*x206);
-        const double x235 = -x123 + x196;
-        const double x236 = -x235;
-        const double x237 = -x118 + x191;
-        const double x238 = Phi_112*Phi_119 - Phi_115*Phi_116;
-        const double x239 = -x238;
-        const double p_763 = idet_126*(u_1_0*x236 + u_2_0*x237 + u_3_0*x239);
-        const double x240 = x127 - x184;
-        const double x241 = Phi_112*Phi_122 - Phi_114*Phi_120;
-        const double x242 = -x241;
-        const double x243 = -x117 + x174;
-        const double p_764 = idet_126*(u_1_0*x240 + u_2_0*x242 + u_3_0*x243);
-        const double p_765 = idet_126*(u_0_0*x160 + u_2_0*x212 + u_3_0*x230);
-        const double x244 = Phi_108*Phi_123 - x136;
-        const double x245 = -x244;
-        const double x246 = Phi_108*Phi_119 - x195;
-        const double p_766 = idet_126*(u_0_0*x235 + u_2_0*x245 + u_3_0*x246);
-        const double x247 = -x240;
-        const double x248 = Phi_108*Phi_122 - x183;
-        const double x249 = Phi_108*Phi_118 - x135;
-        const double x250 = -x249;
-        const double p_767 = idet_126*(u_0_0*x247 + u_2_0*x248 + u_3_0*x250);
-        const double p_768 = idet_126*(u_0_0*x205 + u_1_0*x213 + u_3_0*x223);
-        const double x251 = -x237;
-        const double x252 = Phi_108*Phi_115 - Phi_111*Phi_112;
-        const double x253 = -x252;
-        const double p_769 = idet_126*(u_0_0*x251 + u_1_0*x244 + u_3_0*x253);
-        const double x254 = -x248;
-        const double x255 = Phi_108*Phi_114 - x173;
-        const double p_770 = idet_126*(u_0_0*x241 + u_1_0*x254 + u_3_0*x255);
-        const double p_771 = idet_126*(u_0_0*x207 + u_1_0*x214 + u_2_0*x224);
-        const double x256 = -x246;
-        const double p_772 = idet_126*(u_0_0*x238 + u_1_0*x256 + u_2_0*x252);
-        const double x257 = -x243;
-        const double x258 = -x255;
-        const double p_773 = idet_126*(u_0_0*x257 + u_1_0*x249 + u_2_0*x258);
-        const double p_774 = x234;
-        const double d_775 = d_556*p_762 + d_574*p_763 + d_583*p_764 + d_592*p_765 + d_610*p_766 + d_619*p_767 + d_628*p_768 + d_646*p_769 + d_655*p_770 + d_664*p_771 + d_682*p_772 + d_691*p_773 + d_733*p_774;
-        const double d_776 = d_557*p_762 + d_575*p_763 + d_584*p_764 + d_593*p_765 + d_611*p_766 + d_620*p_767 + d_629*p_768 + d_647*p_769 + d_656*p_770 + d_665*p_771 + d_683*p_772 + d_692*p_773 + d_734*p_774;
-        const double d_777 = d_558*p_762 + d_576*p_763 + d_585*p_764 + d_594*p_765 + d_612*p_766 + d_621*p_767 + d_630*p_768 + d_648*p_769 + d_657*p_770 + d_666*p_771 + d_684*p_772 + d_693*p_773 + d_735*p_774;
-        const double d_778 = d_559*p_762 + d_577*p_763 + d_586*p_764 + d_595*p_765 + d_613*p_766 + d_622*p_767 + d_631*p_768 + d_649*p_769 + d_658*p_770 + d_667*p_771 + d_685*p_772 + d_694*p_773 + d_736*p_774;
-        const double d_779 = d_560*p_762 + d_578*p_763 + d_587*p_764 + d_596*p_765 + d_614*p_766 + d_623*p_767 + d_632*p_768 + d_650*p_769 + d_659*p_770 + d_668*p_771 + d_686*p_772 + d_695*p_773 + d_737*p_774;
-        const double d_780 = d_561*p_762 + d_579*p_763 + d_588*p_764 + d_597*p_765 + d_615*p_766 + d_624*p_767 + d_633*p_768 + d_651*p_769 + d_660*p_770 + d_669*p_771 + d_687*p_772 + d_696*p_773 + d_738*p_774;
-        const double d_781 = d_562*p_762 + d_580*p_763 + d_589*p_764 + d_598*p_765 + d_616*p_766 + d_625*p_767 + d_634*p_768 + d_652*p_769 + d_661*p_770 + d_670*p_771 + d_688*p_772 + d_697*p_773 + d_739*p_774;
-        const double d_782 = d_563*p_762 + d_581*p_763 + d_590*p_764 + d_599*p_765 + d_617*p_766 + d_626*p_767 + d_635*p_768 + d_653*p_769 + d_662*p_770 + d_671*p_771 + d_689*p_772 + d_698*p_773 + d_740*p_774;
-        const double x259 = u_0_0*(Phi_113*x123 + Phi_116*x143 - Phi_117*x118 - Phi_119*x128 + Phi_123*x122 - Phi_123*x164) + u_1_0*(Phi_108*Phi_119*Phi_121 - Phi_108*x208 + Phi_109*Phi_116*Phi_123 - Phi_109*x123 + Phi_111*Phi_117*Phi_120 - x162) + u_2_0*(-Phi_108*x143 + Phi_108*x177 - Phi_113*x136 - Phi_123*x134 + x158 + x198) + u_3_0*(Phi_108*Phi_115*Phi_117 - Phi_108*x193 + Phi_109*Phi_112*Phi_119 + Phi_111*Phi_113*Phi_116 - Phi_111*x122 - x192);
-        const double h_129 = idet_126*x259;
-        const double p_783 = idet_126*(u_1_0*x215 + u_2_0*x178 + u_3_0*x231);
-        const double p_784 = idet_126*(u_1_0*x235 + u_2_0*x251 + u_3_0*x238);
-        const double x260 = Phi_116*Phi_121 - Phi_117*Phi_120;
-        const double x261 = -x260;
-        const double x262 = x128 - x166;
-        const double x263 = -Phi_113*Phi_116 + x122;
-        const double x264 = -x263;
-        const double p_785 = idet_126*(u_1_0*x261 + u_2_0*x262 + u_3_0*x264);
-        const double p_786 = idet_126*(u_0_0*x209 + u_2_0*x225 + u_3_0*x217);
-        const double p_787 = idet_126*(u_0_0*x236 + u_2_0*x244 + u_3_0*x256);
-        const double x265 = Phi_108*Phi_121 - Phi_109*Phi_120;
-        const double x266 = -x265;
-        const double x267 = Phi_108*Phi_117 - x163;
-        const double p_788 = idet_126*(u_0_0*x260 + u_2_0*x266 + u_3_0*x267);
-        const double p_789 = idet_126*(u_0_0*x179 + u_1_0*x216 + u_3_0*x232);
-        const double p_790 = idet_126*(u_0_0*x237 + u_1_0*x245 + u_3_0*x252);
-        const double x268 = -x262;
-        const double x269 = Phi_108*Phi_113 - x134;
-        const double x270 = -x269;
-        const double p_791 = idet_126*(u_0_0*x268 + u_1_0*x265 + u_3_0*x270);
-        const double p_792 = idet_126*(u_0_0*x194 + u_1_0*x218 + u_2_0*x226);
-        const double p_793 = idet_126*(u_0_0*x239 + u_1_0*x246 + u_2_0*x253);
-        const double x271 = -x267;
-        const double p_794 = idet_126*(u_0_0*x263 + u_1_0*x271 + u_2_0*x269);
-        const double p_795 = x259;
-        const double d_796 = d_556*p_783 + d_565*p_784 + d_583*p_785 + d_592*p_786 + d_601*p_787 + d_619*p_788 + d_628*p_789 + d_637*p_790 + d_655*p_791 + d_664*p_792 + d_673*p_793 + d_691*p_794 + d_733*p_795;
-        const double d_797 = d_557*p_783 + d_566*p_784 + d_584*p_785 + d_593*p_786 + d_602*p_787 + d_620*p_788 + d_629*p_789 + d_638*p_790 + d_656*p_791 + d_665*p_792 + d_674*p_793 + d_692*p_794 + d_734*p_795;
-        const double d_798 = d_558*p_783 + d_567*p_784 + d_585*p_785 + d_594*p_786 + d_603*p_787 + d_621*p_788 + d_630*p_789 + d_639*p_790 + d_657*p_791 + d_666*p_792 + d_675*p_793 + d_693*p_794 + d_735*p_795;
-        const double d_799 = d_559*p_783 + d_568*p_784 + d_586*p_785 + d_595*p_786 + d_604*p_787 + d_622*p_788 + d_631*p_789 + d_640*p_790 + d_658*p_791 + d_667*p_792 + d_676*p_793 + d_694*p_794 + d_736*p_795;
-        const double d_800 = d_560*p_783 + d_569*p_784 + d_587*p_785 + d_596*p_786 + d_605*p_787 + d_623*p_788 + d_632*p_789 + d_641*p_790 + d_659*p_791 + d_668*p_792 + d_677*p_793 + d_695*p_794 + d_737*p_795;
-        const double d_801 = d_561*p_783 + d_570*p_784 + d_588*p_785 + d_597*p_786 + d_606*p_787 + d_624*p_788 + d_633*p_789 + d_642*p_790 + d_660*p_791 + d_669*p_792 + d_678*p_793 + d_696*p_794 + d_738*p_795;
-        const double d_802 = d_562*p_783 + d_571*p_784 + d_589*p_785 + d_598*p_786 + d_607*p_787 + d_625*p_788 + d_634*p_789 + d_643*p_790 + d_661*p_791 + d_670*p_792 + d_679*p_793 + d_697*p_794 + d_739*p_795;
-        const double d_803 = d_563*p_783 + d_572*p_784 + d_590*p_785 + d_599*p_786 + d_608*p_787 + d_626*p_788 + d_635*p_789 + d_644*p_790 + d_662*p_791 + d_671*p_792 + d_680*p_793 + d_698*p_794 + d_740*p_795;
-        const double x272 = u_0_0*(Phi_112*Phi_118*Phi_121 + Phi_113*Phi_116*Phi_122 + Phi_114*Phi_117*Phi_120 - Phi_118*x166 - Phi_121*x117 - Phi_122*x122) + u_1_0*(-Phi_108*Phi_118*Phi_121 + Phi_108*x148 - Phi_109*x127 + Phi_109*x184 + Phi_121*x135 - x165) + u_2_0*(Phi_108*Phi_114*Phi_121 - Phi_108*x181 + Phi_109*Phi_112*Phi_122 + Phi_110*Phi_113*Phi_120 - Phi_110*x128 - x180) + u_3_0*(-Phi_108*x142 + Phi_108*x199 - Phi_113*x135 - Phi_118*x134 + x159 + x176);
-        const double h_130 = idet_126*x272;
-        const double p_804 = idet_126*(u_1_0*x210 + u_2_0*x227 + u_3_0*x200);
-        const double p_805 = idet_126*(u_1_0*x247 + u_2_0*x241 + u_3_0*x257);
-        const double p_806 = idet_126*(u_1_0*x260 + u_2_0*x268 + u_3_0*x263);
-        const double p_807 = idet_126*(u_0_0*x211 + u_2_0*x219 + u_3_0*x233);
-        const double p_808 = idet_126*(u_0_0*x240 + u_2_0*x254 + u_3_0*x249);
-        const double p_809 = idet_126*(u_0_0*x261 + u_2_0*x265 + u_3_0*x271);
-        const double p_810 = idet_126*(u_0_0*x182 + u_1_0*x220 + u_3_0*x228);
-        const double p_811 = idet_126*(u_0_0*x242 + u_1_0*x248 + u_3_0*x258);
-        const double p_812 = idet_126*(u_0_0*x262 + u_1_0*x266 + u_3_0*x269);
-        const double p_813 = idet_126*(u_0_0*x201 + u_1_0*x221 + u_2_0*x229);
-        const double p_814 = idet_126*(u_0_0*x243 + u_1_0*x250 + u_2_0*x255);
-        const double p_815 = idet_126*(u_0_0*x264 + u_1_0*x267 + u_2_0*x270);
-        const double p_816 = x272;
-        const double d_817 = d_556*p_804 + d_565*p_805 + d_574*p_806 + d_592*p_807 + d_601*p_808 + d_610*p_809 + d_628*p_810 + d_637*p_811 + d_646*p_812 + d_664*p_813 + d_673*p_814 + d_682*p_815 + d_733*p_816;
-        const double d_818 = d_557*p_804 + d_566*p_805 + d_575*p_806 + d_593*p_807 + d_602*p_808 + d_611*p_809 + d_629*p_810 + d_638*p_811 + d_647*p_812 + d_665*p_813 + d_674*p_814 + d_683*p_815 + d_734*p_816;
-        const double d_819 = d_558*p_804 + d_567*p_805 + d_576*p_806 + d_594*p_807 + d_603*p_808 + d_612*p_809 + d_630*p_810 + d_639*p_811 + d_648*p_812 + d_666*p_813 + d_675*p_814 + d_684*p_815 + d_735*p_816;
-        const double d_820 = d_559*p_804 + d_568*p_805 + d_577*p_806 + d_595*p_807 + d_604*p_808 + d_613*p_809 + d_631*p_810 + d_640*p_811 + d_649*p_812 + d_667*p_813 + d_676*p_814 + d_685*p_815 + d_736*p_816;
-        const double d_821 = d_560*p_804 + d_569*p_805 + d_578*p_806 + d_596*p_807 + d_605*p_808 + d_614*p_809 + d_632*p_810 + d_641*p_811 + d_650*p_812 + d_668*p_813 + d_677*p_814 + d_686*p_815 + d_737*p_816;
-        const double d_822 = d_561*p_804 + d_570*p_805 + d_579*p_806 + d_597*p_807 + d_606*p_808 + d_615*p_809 + d_633*p_810 + d_642*p_811 + d_651*p_812 + d_669*p_813 + d_678*p_814 + d_687*p_815 + d_738*p_816;
-        const double d_823 = d_562*p_804 + d_571*p_805 + d_580*p_806 + d_598*p_807 + d_607*p_808 + d_616*p_809 + d_634*p_810 + d_643*p_811 + d_652*p_812 + d_670*p_813 + d_679*p_814 + d_688*p_815 + d_739*p_816;
-        const double d_824 = d_563*p_804 + d_572*p_805 + d_581*p_806 + d_599*p_807 + d_608*p_808 + d_617*p_809 + d_635*p_810 + d_644*p_811 + d_653*p_812 + d_671*p_813 + d_680*p_814 + d_689*p_815 + d_740*p_816;
-        out[0] = h_127;
-        out[1] = h_128;
-        out[2] = h_129;
-        out[3] = h_130;
-        out[4] = logdet_125;
-        out[5] = d_754;
-        out[6] = d_755;
-        out[7] = d_756;
-        out[8] = d_757;
-        out[9] = d_758;
-        out[10] = d_759;
-        out[11] = d_760;
-        out[12] = d_761;
-        out[13] = d_775;
-        out[14] = d_776;
-        out[15] = d_777;
-        out[16] = d_778;
-        out[17] = d_779;
-        out[18] = d_780;
-        out[19] = d_781;
-        out[20] = d_782;
-        out[21] = d_796;
-        out[22] = d_797;
-        out[23] = d_798;
-        out[24] = d_799;
-        out[25] = d_800;
-        out[26] = d_801;
-        out[27] = d_802;
-        out[28] = d_803;
-        out[29] = d_817;
-        out[30] = d_818;
-        out[31] = d_819;
-        out[32] = d_820;
-        out[33] = d_821;
-        out[34] = d_822;
-        out[35] = d_823;
-        out[36] = d_824;
-        out[37] = d_724;
-        out[38] = d_725;
-        out[39] = d_726;
-        out[40] = d_727;
-        out[41] = d_728;
-        out[42] = d_729;
-        out[43] = d_730;
-        out[44] = d_731;
+        const double p_579 = x109;
+        const double p_580 = x112;
+        const double p_581 = x115;
+        const double p_582 = e_102*x105*(e_101 + x113);
+        const double d_583 = d_340*p_579 + d_365*p_580 + d_382*p_581 + d_391*p_582;
+        const double d_584 = d_341*p_579 + d_366*p_580 + d_383*p_581 + d_392*p_582;
+        const double d_585 = d_342*p_579 + d_367*p_580 + d_384*p_581 + d_393*p_582;
+        const double d_586 = d_343*p_579 + d_368*p_580 + d_385*p_581 + d_394*p_582;
+        const double d_587 = d_344*p_579 + d_369*p_580 + d_386*p_581 + d_395*p_582;
+        const double d_588 = d_345*p_579 + d_370*p_580 + d_387*p_581 + d_396*p_582;
+        const double d_589 = d_346*p_579 + d_371*p_580 + d_388*p_581 + d_397*p_582;
+        const double d_590 = d_347*p_579 + d_372*p_580 + d_389*p_581 + d_398*p_582;
+        const double piv_108 = x56;
+        const double x116 = (1.0/(piv_108));
+        const double x117 = fabs(piv_108) > 1.0261342003245941e-289;
+        const double mul_109 = ((x117) ? (
+       sig_26*x116
+    )
+    : (
+       0
+    ));
+        const double x118 = (1.0/(piv_108*piv_108));
+        const double p_591 = ((x117) ? (
+       -sig_26*x118
+    )
+    : (
+       0
+    ));
+        const double x119 = ((x117) ? (
+       x116
+    )
+    : (
+       0
+    ));
+        const double p_592 = x119;
+        const double d_593 = d_175*p_591 + d_207*p_592;
+        const double d_594 = d_176*p_591 + d_208*p_592;
+        const double d_595 = d_177*p_591 + d_209*p_592;
+        const double d_596 = d_178*p_591 + d_210*p_592;
+        const double schur_110 = -mul_109*sig_17 + x57;
+        const double x120 = -sig_17;
+        const double p_597 = x120;
+        const double x121 = -mul_109;
+        const double p_598 = x121;
+        const double d_599 = d_183*p_598 + d_215 + d_593*p_597;
+        const double d_600 = d_184*p_598 + d_216 + d_594*p_597;
+        const double d_601 = d_185*p_598 + d_217 + d_595*p_597;
+        const double d_602 = d_186*p_598 + d_218 + d_596*p_597;
+        const double schur_111 = -mul_109*sig_18 + sig_28;
+        const double x122 = -sig_18;
+        const double p_603 = x122;
+        const double p_604 = x121;
+        const double d_605 = d_191*p_604 + d_223 + d_593*p_603;
+        const double d_606 = d_192*p_604 + d_224 + d_594*p_603;
+        const double d_607 = d_193*p_604 + d_225 + d_595*p_603;
+        const double d_608 = d_194*p_604 + d_226 + d_596*p_603;
+        const double schur_112 = -mul_109*sig_19 + sig_29;
+        const double x123 = -sig_19;
+        const double p_609 = x123;
+        const double p_610 = x121;
+        const double d_611 = d_199*p_610 + d_231 + d_593*p_609;
+        const double d_612 = d_200*p_610 + d_232 + d_594*p_609;
+        const double d_613 = d_201*p_610 + d_233 + d_595*p_609;
+        const double d_614 = d_202*p_610 + d_234 + d_596*p_609;
+        const double mul_113 = ((x117) ? (
+       sig_36*x116
+    )
+    : (
+       0
+    ));
+        const double p_615 = ((x117) ? (
+       -sig_36*x118
+    )
+    : (
+       0
+    ));
+        const double p_616 = x119;
+        const double d_617 = d_175*p_615 + d_239*p_616;
+        const double d_618 = d_176*p_615 + d_240*p_616;
+        const double d_619 = d_177*p_615 + d_241*p_616;
+        const double d_620 = d_178*p_615 + d_242*p_616;
+        const double schur_114 = -mul_113*sig_17 + sig_37;
+        const double p_621 = x120;
+        const double x124 = -mul_113;
+        const double p_622 = x124;
+        const double d_623 = d_183*p_622 + d_247 + d_617*p_621;
+        const double d_624 = d_184*p_622 + d_248 + d_618*p_621;
+        const double d_625 = d_185*p_622 + d_249 + d_619*p_621;
+        const double d_626 = d_186*p_622 + d_250 + d_620*p_621;
+        const double schur_115 = -mul_113*sig_18 + x58;
+        const double p_627 = x122;
+        const double p_628 = x124;
+        const double d_629 = d_191*p_628 + d_255 + d_617*p_627;
+        const double d_630 = d_192*p_628 + d_256 + d_618*p_627;
+        const double d_631 = d_193*p_628 + d_257 + d_619*p_627;
+        const double d_632 = d_194*p_628 + d_258 + d_620*p_627;
+        const double schur_116 = -mul_113*sig_19 + sig_39;
+        const double p_633 = x123;
+        const double p_634 = x124;
+        const double d_635 = d_199*p_634 + d_263 + d_617*p_633;
+        const double d_636 = d_200*p_634 + d_264 + d_618*p_633;
+        const double d_637 = d_201*p_634 + d_265 + d_619*p_633;
+        const double d_638 = d_202*p_634 + d_266 + d_620*p_633;
+        const double mul_117 = ((x117) ? (
+       sig_46*x116
+    )
+    : (
+       0
+    ));
+        const double p_639 = ((x117) ? (
+       -sig_46*x118
+    )
+    : (
+       0
+    ));
+        const double p_640 = x119;
+        const double d_641 = d_175*p_639 + d_271*p_640;
+        const double d_642 = d_176*p_639 + d_272*p_640;
+        const double d_643 = d_177*p_639 + d_273*p_640;
+        const double d_644 = d_178*p_639 + d_274*p_640;
+        const double schur_118 = -mul_117*sig_17 + sig_47;
+        const double p_645 = x120;
+        const double x125 = -mul_117;
+        const double p_646 = x125;
+        const double d_647 = d_183*p_646 + d_279 + d_641*p_645;
+        const double d_648 = d_184*p_646 + d_280 + d_642*p_645;
+        const double d_649 = d_185*p_646 + d_281 + d_643*p_645;
+        const double d_650 = d_186*p_646 + d_282 + d_644*p_645;
+        const double schur_119 = -mul_117*sig_18 + sig_48;
+        const double p_651 = x122;
+        const double p_652 = x125;
+        const double d_653 = d_191*p_652 + d_287 + d_641*p_651;
+        const double d_654 = d_192*p_652 + d_288 + d_642*p_651;
+        const double d_655 = d_193*p_652 + d_289 + d_643*p_651;
+        const double d_656 = d_194*p_652 + d_290 + d_644*p_651;
+        const double schur_120 = -mul_117*sig_19 + x59;
+        const double p_657 = x123;
+        const double p_658 = x125;
+        const double d_659 = d_199*p_658 + d_295 + d_641*p_657;
+        const double d_660 = d_200*p_658 + d_296 + d_642*p_657;
+        const double d_661 = d_201*p_658 + d_297 + d_643*p_657;
+        const double d_662 = d_202*p_658 + d_298 + d_644*p_657;
+        const double x126 = (1.0/(schur_110));
+        const double x127 = fabs(schur_110) > 1.0261342003245941e-289;
+        const double mul_121 = ((x127) ? (
+       schur_114*x126
+    )
+    : (
+       0
+    ));
+        const double x128 = (1.0/(schur_110*schur_110));
+        const double p_663 = ((x127) ? (
+       -schur_114*x128
+    )
+    : (
+       0
+    ));
+        const double x129 = ((x127) ? (
+       x126
+    )
+    : (
+       0
+    ));
+        const double p_664 = x129;
+        const double d_665 = d_599*p_663 + d_623*p_664;
+        const double d_666 = d_600*p_663 + d_624*p_664;
+        const double d_667 = d_601*p_663 + d_625*p_664;
+        const double d_668 = d_602*p_663 + d_626*p_664;
+        const double schur_122 = -mul_121*schur_111 + schur_115;
+        const double x130 = -schur_111;
+        const double p_669 = x130;
+        const double x131 = -mul_121;
+        const double p_670 = x131;
+        const double d_671 = d_605*p_670 + d_629 + d_665*p_669;
+        const double d_672 = d_606*p_670 + d_630 + d_666*p_669;
+        const double d_673 = d_607*p_670 + d_631 + d_667*p_669;
+        const double d_674 = d_608*p_670 + d_632 + d_668*p_669;
+        const double schur_123 = -mul_121*schur_112 + schur_116;
+        const double x132 = -schur_112;
+        const double p_675 = x132;
+        const double p_676 = x131;
+        const double d_677 = d_611*p_676 + d_635 + d_665*p_675;
+        const double d_678 = d_612*p_676 + d_636 + d_666*p_675;
+        const double d_679 = d_613*p_676 + d_637 + d_667*p_675;
+        const double d_680 = d_614*p_676 + d_638 + d_668*p_675;
+        const double mul_124 = ((x127) ? (
+       schur_118*x126
+    )
+    : (
+       0
+    ));
+        const double p_681 = ((x127) ? (
+       -schur_118*x128
+    )
+    : (
+       0
+    ));
+        const double p_682 = x129;
+        const double d_683 = d_599*p_681 + d_647*p_682;
+        const double d_684 = d_600*p_681 + d_648*p_682;
+        const double d_685 = d_601*p_681 + d_649*p_682;
+        const double d_686 = d_602*p_681 + d_650*p_682;
+        const double schur_125 = -mul_124*schur_111 + schur_119;
+        const double p_687 = x130;
+        const double x133 = -mul_124;
+        const double p_688 = x133;
+        const double d_689 = d_605*p_688 + d_653 + d_683*p_687;
+        const double d_690 = d_606*p_688 + d_654 + d_684*p_687;
+        const double d_691 = d_607*p_688 + d_655 + d_685*p_687;
+        const double d_692 = d_608*p_688 + d_656 + d_686*p_687;
+        const double schur_126 = -mul_124*schur_112 + schur_120;
+        const double p_693 = x132;
+        const double p_694 = x133;
+        const double d_695 = d_611*p_694 + d_659 + d_683*p_693;
+        const double d_696 = d_612*p_694 + d_660 + d_684*p_693;
+        const double d_697 = d_613*p_694 + d_661 + d_685*p_693;
+        const double d_698 = d_614*p_694 + d_662 + d_686*p_693;
+        const double x134 = (1.0/(schur_122));
+        const double x135 = fabs(schur_122) > 1.0261342003245941e-289;
+        const double mul_127 = ((x135) ? (
+       schur_125*x134
+    )
+    : (
+       0
+    ));
+        const double x136 = (1.0/(schur_122*schur_122));
+        const double p_699 = ((x135) ? (
+       -schur_125*x136
+    )
+    : (
+       0
+    ));
+        const double p_700 = ((x135) ? (
+       x134
+    )
+    : (
+       0
+    ));
+        const double d_701 = d_671*p_699 + d_689*p_700;
+        const double d_702 = d_672*p_699 + d_690*p_700;
+        const double d_703 = d_673*p_699 + d_691*p_700;
+        const double d_704 = d_674*p_699 + d_692*p_700;
+        const double schur_128 = -mul_127*schur_123 + schur_126;
+        const double p_705 = -schur_123;
+        const double x137 = -mul_127;
+        const double p_706 = x137;
+        const double d_707 = d_677*p_706 + d_695 + d_701*p_705;
+        const double d_708 = d_678*p_706 + d_696 + d_702*p_705;
+        const double d_709 = d_679*p_706 + d_697 + d_703*p_705;
+        const double d_710 = d_680*p_706 + d_698 + d_704*p_705;
+        const double x138 = schur_110*schur_122*schur_128;
+        const double x139 = piv_108*x138;
+        const double x140 = fabs(x139);
+        const double ldet_129 = log(x140);
+        const double x141 = (((x139) > 0) - ((x139) < 0))/x140;
+        const double p_711 = x138*x141;
+        const double x142 = piv_108*schur_128*x141;
+        const double p_712 = schur_122*x142;
+        const double p_713 = schur_110*x142;
+        const double p_714 = piv_108*schur_110*schur_122*x141;
+        const double d_715 = d_175*p_711 + d_599*p_712 + d_671*p_713 + d_707*p_714;
+        const double d_716 = d_176*p_711 + d_600*p_712 + d_672*p_713 + d_708*p_714;
+        const double d_717 = d_177*p_711 + d_601*p_712 + d_673*p_713 + d_709*p_714;
+        const double d_718 = d_178*p_711 + d_602*p_712 + d_674*p_713 + d_710*p_714;
+        const double piv_130 = c + sig_74;
+        const double x143 = (1.0/(piv_130));
+        const double x144 = fabs(piv_130) > 1.0261342003245941e-289;
+        const double mul_131 = ((x144) ? (
+       sig_84*x143
+    )
+    : (
+       0
+    ));
+        const double x145 = (1.0/(piv_130*piv_130));
+        const double p_719 = ((x144) ? (
+       -sig_84*x145
+    )
+    : (
+       0
+    ));
+        const double x146 = ((x144) ? (
+       x143
+    )
+    : (
+       0
+    ));
+        const double p_720 = x146;
+        const double d_721 = d_403*p_719 + d_451*p_720;
+        const double d_722 = d_404*p_719 + d_452*p_720;
+        const double d_723 = d_405*p_719 + d_453*p_720;
+        const double d_724 = d_406*p_719 + d_454*p_720;
+        const double d_725 = d_407*p_719 + d_455*p_720;
+        const double d_726 = d_408*p_719 + d_456*p_720;
+        const double d_727 = d_409*p_719 + d_457*p_720;
+        const double d_728 = d_410*p_719 + d_458*p_720;
+        const double schur_132 = c - mul_131*sig_75 + sig_85;
+        const double x147 = -sig_75;
+        const double p_729 = x147;
+        const double x148 = -mul_131;
+        const double p_730 = x148;
+        const double d_731 = d_415*p_730 + d_463 + d_721*p_729;
+        const double d_732 = d_416*p_730 + d_464 + d_722*p_729;
+        const double d_733 = d_417*p_730 + d_465 + d_723*p_729;
+        const double d_734 = d_418*p_730 + d_466 + d_724*p_729;
+        const double d_735 = d_419*p_730 + d_467 + d_725*p_729;
+        const double d_736 = d_420*p_730 + d_468 + d_726*p_729;
+        const double d_737 = d_421*p_730 + d_469 + d_727*p_729;
+        const double d_738 = d_422*p_730 + d_470 + d_728*p_729;
+        const double schur_133 = -mul_131*sig_76 + sig_86;
+        const double x149 = -sig_76;
+        const double p_739 = x149;
+        const double p_740 = x148;
+        const double d_741 = d_427*p_740 + d_475 + d_721*p_739;
+        const double d_742 = d_428*p_740 + d_476 + d_722*p_739;
+        const double d_743 = d_429*p_740 + d_477 + d_723*p_739;
+        const double d_744 = d_430*p_740 + d_478 + d_724*p_739;
+        const double d_745 = d_431*p_740 + d_479 + d_725*p_739;
+        const double d_746 = d_432*p_740 + d_480 + d_726*p_739;
+        const double d_747 = d_433*p_740 + d_481 + d_727*p_739;
+        const double d_748 = d_434*p_740 + d_482 + d_728*p_739;
+        const double schur_134 = -mul_131*sig_77 + sig_87;
+        const double x150 = -sig_77;
+        const double p_749 = x150;
+        const double p_750 = x148;
+        const double d_751 = d_439*p_750 + d_487 + d_721*p_749;
+        const double d_752 = d_440*p_750 + d_488 + d_722*p_749;
+        const double d_753 = d_441*p_750 + d_489 + d_723*p_749;
+        const double d_754 = d_442*p_750 + d_490 + d_724*p_749;
+        const double d_755 = d_443*p_750 + d_491 + d_725*p_749;
+        const double d_756 = d_444*p_750 + d_492 + d_726*p_749;
+        const double d_757 = d_445*p_750 + d_493 + d_727*p_749;
+        const double d_758 = d_446*p_750 + d_494 + d_728*p_749;
+        const double mul_135 = ((x144) ? (
+       sig_94*x143
+    )
+    : (
+       0
+    ));
+        const double p_759 = ((x144) ? (
+       -sig_94*x145
+    )
+    : (
+       0
+    ));
+        const double p_760 = x146;
+        const double d_761 = d_403*p_759 + d_499*p_760;
+        const double d_762 = d_404*p_759 + d_500*p_760;
+        const double d_763 = d_405*p_759 + d_501*p_760;
+        const double d_764 = d_406*p_759 + d_502*p_760;
+        const double d_765 = d_407*p_759 + d_503*p_760;
+        const double d_766 = d_408*p_759 + d_504*p_760;
+        const double d_767 = d_409*p_759 + d_505*p_760;
+        const double d_768 = d_410*p_759 + d_506*p_760;
+        const double schur_136 = -mul_135*sig_75 + sig_95;
+        const double p_769 = x147;
+        const double x151 = -mul_135;
+        const double p_770 = x151;
+        const double d_771 = d_415*p_770 + d_511 + d_761*p_769;
+        const double d_772 = d_416*p_770 + d_512 + d_762*p_769;
+        const double d_773 = d_417*p_770 + d_513 + d_763*p_769;
+        const double d_774 = d_418*p_770 + d_514 + d_764*p_769;
+        const double d_775 = d_419*p_770 + d_515 + d_765*p_769;
+        const double d_776 = d_420*p_770 + d_516 + d_766*p_769;
+        const double d_777 = d_421*p_770 + d_517 + d_767*p_769;
+        const double d_778 = d_422*p_770 + d_518 + d_768*p_769;
+        const double schur_137 = c - mul_135*sig_76 + sig_96;
+        const double p_779 = x149;
+        const double p_780 = x151;
+        const double d_781 = d_427*p_780 + d_523 + d_761*p_779;
+        const double d_782 = d_428*p_780 + d_524 + d_762*p_779;
+        const double d_783 = d_429*p_780 + d_525 + d_763*p_779;
+        const double d_784 = d_430*p_780 + d_526 + d_764*p_779;
+        const double d_785 = d_431*p_780 + d_527 + d_765*p_779;
+        const double d_786 = d_432*p_780 + d_528 + d_766*p_779;
+        const double d_787 = d_433*p_780 + d_529 + d_767*p_779;
+        const double d_788 = d_434*p_780 + d_530 + d_768*p_779;
+        const double schur_138 = -mul_135*sig_77 + sig_97;
+        const double p_789 = x150;
+        const double p_790 = x151;
+        const double d_791 = d_439*p_790 + d_535 + d_761*p_789;
+        const double d_792 = d_440*p_790 + d_536 + d_762*p_789;
+        const double d_793 = d_441*p_790 + d_537 + d_763*p_789;
+        const double d_794 = d_442*p_790 + d_538 + d_764*p_789;
+        const double d_795 = d_443*p_790 + d_539 + d_765*p_789;
+        const double d_796 = d_444*p_790 + d_540 + d_766*p_789;
+        const double d_797 = d_445*p_790 + d_541 + d_767*p_789;
+        const double d_798 = d_446*p_790 + d_542 + d_768*p_789;
+        const double mul_139 = ((x144) ? (
+       sig_104*x143
+    )
+    : (
+       0
+    ));
+        const double p_799 = ((x144) ? (
+       -sig_104*x145
+    )
+    : (
+       0
+    ));
+        const double p_800 = x146;
+        const double d_801 = d_403*p_799 + d_547*p_800;
+        const double d_802 = d_404*p_799 + d_548*p_800;
+        const double d_803 = d_405*p_799 + d_549*p_800;
+        const double d_804 = d_406*p_799 + d_550*p_800;
+        const double d_805 = d_407*p_799 + d_551*p_800;
+        const double d_806 = d_408*p_799 + d_552*p_800;
+        const double d_807 = d_409*p_799 + d_553*p_800;
+        const double d_808 = d_410*p_799 + d_554*p_800;
+        const double schur_140 = -mul_139*sig_75 + sig_105;
+        const double p_809 = x147;
+        const double x152 = -mul_139;
+        const double p_810 = x152;
+        const double d_811 = d_415*p_810 + d_559 + d_801*p_809;
+        const double d_812 = d_416*p_810 + d_560 + d_802*p_809;
+        const double d_813 = d_417*p_810 + d_561 + d_803*p_809;
+        const double d_814 = d_418*p_810 + d_562 + d_804*p_809;
+        const double d_815 = d_419*p_810 + d_563 + d_805*p_809;
+        const double d_816 = d_420*p_810 + d_564 + d_806*p_809;
+        const double d_817 = d_421*p_810 + d_565 + d_807*p_809;
+        const double d_818 = d_422*p_810 + d_566 + d_808*p_809;
+        const double schur_141 = -mul_139*sig_76 + sig_106;
+        const double p_819 = x149;
+        const double p_820 = x152;
+        const double d_821 = d_427*p_820 + d_571 + d_801*p_819;
+        const double d_822 = d_428*p_820 + d_572 + d_802*p_819;
+        const double d_823 = d_429*p_820 + d_573 + d_803*p_819;
+        const double d_824 = d_430*p_820 + d_574 + d_804*p_819;
+        const double d_825 = d_431*p_820 + d_575 + d_805*p_819;
+        const double d_826 = d_432*p_820 + d_576 + d_806*p_819;
+        const double d_827 = d_433*p_820 + d_577 + d_807*p_819;
+        const double d_828 = d_434*p_820 + d_578 + d_808*p_819;
+        const double schur_142 = c - mul_139*sig_77 + sig_107;
+        const double p_829 = x150;
+        const double p_830 = x152;
+        const double d_831 = d_439*p_830 + d_583 + d_801*p_829;
+        const double d_832 = d_440*p_830 + d_584 + d_802*p_829;
+        const double d_833 = d_441*p_830 + d_585 + d_803*p_829;
+        const double d_834 = d_442*p_830 + d_586 + d_804*p_829;
+        const double d_835 = d_443*p_830 + d_587 + d_805*p_829;
+        const double d_836 = d_444*p_830 + d_588 + d_806*p_829;
+        const double d_837 = d_445*p_830 + d_589 + d_807*p_829;
+        const double d_838 = d_446*p_830 + d_590 + d_808*p_829;
+        const double x153 = (1.0/(schur_132));
+        const double x154 = fabs(schur_132) > 1.0261342003245941e-289;
+        const double mul_143 = ((x154) ? (
+       schur_136*x153
+    )
+    : (
+       0
+    ));
+        const double x155 = (1.0/(schur_132*schur_132));
+        const double p_839 = ((x154) ? (
+       -schur_136*x155
+    )
+    : (
+       0
+    ));
+        const double x156 = ((x154) ? (
+       x153
+    )
+    : (
+       0
+    ));
+        const double p_840 = x156;
+        const double d_841 = d_731*p_839 + d_771*p_840;
+        const double d_842 = d_732*p_839 + d_772*p_840;
+        const double d_843 = d_733*p_839 + d_773*p_840;
+        const double d_844 = d_734*p_839 + d_774*p_840;
+        const double d_845 = d_735*p_839 + d_775*p_840;
+        const double d_846 = d_736*p_839 + d_776*p_840;
+        const double d_847 = d_737*p_839 + d_777*p_840;
+        const double d_848 = d_738*p_839 + d_778*p_840;
+        const double schur_144 = -mul_143*schur_133 + schur_137;
+        const double x157 = -schur_133;
+        const double p_849 = x157;
+        const double x158 = -mul_143;
+        const double p_850 = x158;
+        const double d_851 = d_741*p_850 + d_781 + d_841*p_849;
+        const double d_852 = d_742*p_850 + d_782 + d_842*p_849;
+        const double d_853 = d_743*p_850 + d_783 + d_843*p_849;
+        const double d_854 = d_744*p_850 + d_784 + d_844*p_849;
+        const double d_855 = d_745*p_850 + d_785 + d_845*p_849;
+        const double d_856 = d_746*p_850 + d_786 + d_846*p_849;
+        const double d_857 = d_747*p_850 + d_787 + d_847*p_849;
+        const double d_858 = d_748*p_850 + d_788 + d_848*p_849;
+        const double schur_145 = -mul_143*schur_134 + schur_138;
+        const double x159 = -schur_134;
+        const double p_859 = x159;
+        const double p_860 = x158;
+        const double d_861 = d_751*p_860 + d_791 + d_841*p_859;
+        const double d_862 = d_752*p_860 + d_792 + d_842*p_859;
+        const double d_863 = d_753*p_860 + d_793 + d_843*p_859;
+        const double d_864 = d_754*p_860 + d_794 + d_844*p_859;
+        const double d_865 = d_755*p_860 + d_795 + d_845*p_859;
+        const double d_866 = d_756*p_860 + d_796 + d_846*p_859;
+        const double d_867 = d_757*p_860 + d_797 + d_847*p_859;
+        const double d_868 = d_758*p_860 + d_798 + d_848*p_859;
+        const double mul_146 = ((x154) ? (
+       schur_140*x153
+    )
+    : (
+       0
+    ));
+        const double p_869 = ((x154) ? (
+       -schur_140*x155
+    )
+    : (
+       0
+    ));
+        const double p_870 = x156;
+        const double d_871 = d_731*p_869 + d_811*p_870;
+        const double d_872 = d_732*p_869 + d_812*p_870;
+        const double d_873 = d_733*p_869 + d_813*p_870;
+        const double d_874 = d_734*p_869 + d_814*p_870;
+        const double d_875 = d_735*p_869 + d_815*p_870;
+        const double d_876 = d_736*p_869 + d_816*p_870;
+        const double d_877 = d_737*p_869 + d_817*p_870;
+        const double d_878 = d_738*p_869 + d_818*p_870;
+        const double schur_147 = -mul_146*schur_133 + schur_141;
+        const double p_879 = x157;
+        const double x160 = -mul_146;
+        const double p_880 = x160;
+        const double d_881 = d_741*p_880 + d_821 + d_871*p_879;
+        const double d_882 = d_742*p_880 + d_822 + d_872*p_879;
+        const double d_883 = d_743*p_880 + d_823 + d_873*p_879;
+        const double d_884 = d_744*p_880 + d_824 + d_874*p_879;
+        const double d_885 = d_745*p_880 + d_825 + d_875*p_879;
+        const double d_886 = d_746*p_880 + d_826 + d_876*p_879;
+        const double d_887 = d_747*p_880 + d_827 + d_877*p_879;
+        const double d_888 = d_748*p_880 + d_828 + d_878*p_879;
+        const double schur_148 = -mul_146*schur_134 + schur_142;
+        const double p_889 = x159;
+        const double p_890 = x160;
+        const double d_891 = d_751*p_890 + d_831 + d_871*p_889;
+        const double d_892 = d_752*p_890 + d_832 + d_872*p_889;
+        const double d_893 = d_753*p_890 + d_833 + d_873*p_889;
+        const double d_894 = d_754*p_890 + d_834 + d_874*p_889;
+        const double d_895 = d_755*p_890 + d_835 + d_875*p_889;
+        const double d_896 = d_756*p_890 + d_836 + d_876*p_889;
+        const double d_897 = d_757*p_890 + d_837 + d_877*p_889;
+        const double d_898 = d_758*p_890 + d_838 + d_878*p_889;
+        const double x161 = (1.0/(schur_144));
+        const double x162 = fabs(schur_144) > 1.0261342003245941e-289;
+        const double mul_149 = ((x162) ? (
+       schur_147*x161
+    )
+    : (
+       0
+    ));
+        const double x163 = (1.0/(schur_144*schur_144));
+        const double p_899 = ((x162) ? (
+       -schur_147*x163
+    )
+    : (
+       0
+    ));
+        const double p_900 = ((x162) ? (
+       x161
+    )
+    : (
+       0
+    ));
+        const double d_901 = d_851*p_899 + d_881*p_900;
+        const double d_902 = d_852*p_899 + d_882*p_900;
+        const double d_903 = d_853*p_899 + d_883*p_900;
+        const double d_904 = d_854*p_899 + d_884*p_900;
+        const double d_905 = d_855*p_899 + d_885*p_900;
+        const double d_906 = d_856*p_899 + d_886*p_900;
+        const double d_907 = d_857*p_899 + d_887*p_900;
+        const double d_908 = d_858*p_899 + d_888*p_900;
+        const double schur_150 = -mul_149*schur_145 + schur_148;
+        const double p_909 = -schur_145;
+        const double x164 = -mul_149;
+        const double p_910 = x164;
+        const double d_911 = d_861*p_910 + d_891 + d_901*p_909;
+        const double d_912 = d_862*p_910 + d_892 + d_902*p_909;
+        const double d_913 = d_863*p_910 + d_893 + d_903*p_909;
+        const double d_914 = d_864*p_910 + d_894 + d_904*p_909;
+        const double d_915 = d_865*p_910 + d_895 + d_905*p_909;
+        const double d_916 = d_866*p_910 + d_896 + d_906*p_909;
+        const double d_917 = d_867*p_910 + d_897 + d_907*p_909;
+        const double d_918 = d_868*p_910 + d_898 + d_908*p_909;
+        const double x165 = schur_132*schur_144*schur_150;
+        const double x166 = piv_130*x165;
+        const double x167 = fabs(x166);
+        const double ldet_151 = log(x167);
+        const double x168 = (((x166) > 0) - ((x166) < 0))/x167;
+        const double p_919 = x165*x168;
+        const double x169 = piv_130*schur_150*x168;
+        const double p_920 = schur_144*x169;
+        const double p_921 = schur_132*x169;
+        const double p_922 = piv_130*schur_132*schur_144*x168;
+        const double d_923 = d_403*p_919 + d_731*p_920 + d_851*p_921 + d_911*p_922;
+        const double d_924 = d_404*p_919 + d_732*p_920 + d_852*p_921 + d_912*p_922;
+        const double d_925 = d_405*p_919 + d_733*p_920 + d_853*p_921 + d_913*p_922;
+        const double d_926 = d_406*p_919 + d_734*p_920 + d_854*p_921 + d_914*p_922;
+        const double d_927 = d_407*p_919 + d_735*p_920 + d_855*p_921 + d_915*p_922;
+        const double d_928 = d_408*p_919 + d_736*p_920 + d_856*p_921 + d_916*p_922;
+        const double d_929 = d_409*p_919 + d_737*p_920 + d_857*p_921 + d_917*p_922;
+        const double d_930 = d_410*p_919 + d_738*p_920 + d_858*p_921 + d_918*p_922;
+        const double logdet_152 = ldet_129 + ldet_151;
+        const double d_931 = d_715 + d_923;
+        const double d_932 = d_716 + d_924;
+        const double d_933 = d_717 + d_925;
+        const double d_934 = d_718 + d_926;
+        const double fwd_153 = -mul_131*u_0_0 + u_1_0;
+        const double x170 = -u_0_0;
+        const double p_935 = x170;
+        const double d_936 = d_721*p_935;
+        const double d_937 = d_722*p_935;
+        const double d_938 = d_723*p_935;
+        const double d_939 = d_724*p_935;
+        const double d_940 = d_725*p_935;
+        const double d_941 = d_726*p_935;
+        const double d_942 = d_727*p_935;
+        const double d_943 = d_728*p_935;
+        const double fwd_154 = -fwd_153*mul_143 - mul_135*u_0_0 + u_2_0;
+        const double p_944 = x158;
+        const double p_945 = x170;
+        const double x171 = -fwd_153;
+        const double p_946 = x171;
+        const double d_947 = d_761*p_945 + d_841*p_946 + d_936*p_944;
+        const double d_948 = d_762*p_945 + d_842*p_946 + d_937*p_944;
+        const double d_949 = d_763*p_945 + d_843*p_946 + d_938*p_944;
+        const double d_950 = d_764*p_945 + d_844*p_946 + d_939*p_944;
+        const double d_951 = d_765*p_945 + d_845*p_946 + d_940*p_944;
+        const double d_952 = d_766*p_945 + d_846*p_946 + d_941*p_944;
+        const double d_953 = d_767*p_945 + d_847*p_946 + d_942*p_944;
+        const double d_954 = d_768*p_945 + d_848*p_946 + d_943*p_944;
+        const double fwd_155 = -fwd_153*mul_146 - fwd_154*mul_149 - mul_139*u_0_0 + u_3_0;
+        const double p_955 = x160;
+        const double p_956 = x164;
+        const double p_957 = x170;
+        const double p_958 = x171;
+        const double x172 = -fwd_154;
+        const double p_959 = x172;
+        const double d_960 = d_801*p_957 + d_871*p_958 + d_901*p_959 + d_936*p_955 + d_947*p_956;
+        const double d_961 = d_802*p_957 + d_872*p_958 + d_902*p_959 + d_937*p_955 + d_948*p_956;
+        const double d_962 = d_803*p_957 + d_873*p_958 + d_903*p_959 + d_938*p_955 + d_949*p_956;
+        const double d_963 = d_804*p_957 + d_874*p_958 + d_904*p_959 + d_939*p_955 + d_950*p_956;
+        const double d_964 = d_805*p_957 + d_875*p_958 + d_905*p_959 + d_940*p_955 + d_951*p_956;
+        const double d_965 = d_806*p_957 + d_876*p_958 + d_906*p_959 + d_941*p_955 + d_952*p_956;
+        const double d_966 = d_807*p_957 + d_877*p_958 + d_907*p_959 + d_942*p_955 + d_953*p_956;
+        const double d_967 = d_808*p_957 + d_878*p_958 + d_908*p_959 + d_943*p_955 + d_954*p_956;
+        const double x173 = (1.0/(schur_150));
+        const double bwd_156 = fwd_155*x173;
+        const double p_968 = x173;
+        const double p_969 = -bwd_156*x173;
+        const double d_970 = d_911*p_969 + d_960*p_968;
+        const double d_971 = d_912*p_969 + d_961*p_968;
+        const double d_972 = d_913*p_969 + d_962*p_968;
+        const double d_973 = d_914*p_969 + d_963*p_968;
+        const double d_974 = d_915*p_969 + d_964*p_968;
+        const double d_975 = d_916*p_969 + d_965*p_968;
+        const double d_976 = d_917*p_969 + d_966*p_968;
+        const double d_977 = d_918*p_969 + d_967*p_968;
+        const double x174 = bwd_156*schur_145 + x172;
+        const double bwd_157 = -x161*x174;
+        const double p_978 = -schur_145*x161;
+        const double p_979 = x161;
+        const double p_980 = x163*x174;
+        const double p_981 = -bwd_156*x161;
+        const double d_982 = d_851*p_980 + d_861*p_981 + d_947*p_979 + d_970*p_978;
+        const double d_983 = d_852*p_980 + d_862*p_981 + d_948*p_979 + d_971*p_978;
+        const double d_984 = d_853*p_980 + d_863*p_981 + d_949*p_979 + d_972*p_978;
+        const double d_985 = d_854*p_980 + d_864*p_981 + d_950*p_979 + d_973*p_978;
+        const double d_986 = d_855*p_980 + d_865*p_981 + d_951*p_979 + d_974*p_978;
+        const double d_987 = d_856*p_980 + d_866*p_981 + d_952*p_979 + d_975*p_978;
+        const double d_988 = d_857*p_980 + d_867*p_981 + d_953*p_979 + d_976*p_978;
+        const double d_989 = d_858*p_980 + d_868*p_981 + d_954*p_979 + d_977*p_978;
+        const double x175 = bwd_156*schur_134 + bwd_157*schur_133 + x171;
+        const double bwd_158 = -x153*x175;
+        const double p_990 = -schur_134*x153;
+        const double p_991 = -schur_133*x153;
+        const double p_992 = x153;
+        const double p_993 = x155*x175;
+        const double p_994 = -bwd_157*x153;
+        const double p_995 = -bwd_156*x153;
+        const double d_996 = d_731*p_993 + d_741*p_994 + d_751*p_995 + d_936*p_992 + d_970*p_990 + d_982*p_991;
+        const double d_997 = d_732*p_993 + d_742*p_994 + d_752*p_995 + d_937*p_992 + d_971*p_990 + d_983*p_991;
+        const double d_998 = d_733*p_993 + d_743*p_994 + d_753*p_995 + d_938*p_992 + d_972*p_990 + d_984*p_991;
+        const double d_999 = d_734*p_993 + d_744*p_994 + d_754*p_995 + d_939*p_992 + d_973*p_990 + d_985*p_991;
+        const double d_1000 = d_735*p_993 + d_745*p_994 + d_755*p_995 + d_940*p_992 + d_974*p_990 + d_986*p_991;
+        const double d_1001 = d_736*p_993 + d_746*p_994 + d_756*p_995 + d_941*p_992 + d_975*p_990 + d_987*p_991;
+        const double d_1002 = d_737*p_993 + d_747*p_994 + d_757*p_995 + d_942*p_992 + d_976*p_990 + d_988*p_991;
+        const double d_1003 = d_738*p_993 + d_748*p_994 + d_758*p_995 + d_943*p_992 + d_977*p_990 + d_989*p_991;
+        const double x176 = bwd_156*sig_77 + bwd_157*sig_76 + bwd_158*sig_75 + x170;
+        const double bwd_159 = -x143*x176;
+        const double p_1004 = -sig_77*x143;
+        const double p_1005 = -sig_76*x143;
+        const double p_1006 = -sig_75*x143;
+        const double p_1007 = x145*x176;
+        const double p_1008 = -bwd_158*x143;
+        const double p_1009 = -bwd_157*x143;
+        const double p_1010 = -bwd_156*x143;
+        const double d_1011 = d_403*p_1007 + d_415*p_1008 + d_427*p_1009 + d_439*p_1010 + d_970*p_1004 + d_982*p_1005 + d_996*p_1006;
+        const double d_1012 = d_404*p_1007 + d_416*p_1008 + d_428*p_1009 + d_440*p_1010 + d_971*p_1004 + d_983*p_1005 + d_997*p_1006;
+        const double d_1013 = d_405*p_1007 + d_417*p_1008 + d_429*p_1009 + d_441*p_1010 + d_972*p_1004 + d_984*p_1005 + d_998*p_1006;
+        const double d_1014 = d_406*p_1007 + d_418*p_1008 + d_430*p_1009 + d_442*p_1010 + d_973*p_1004 + d_985*p_1005 + d_999*p_1006;
+        const double d_1015 = d_1000*p_1006 + d_407*p_1007 + d_419*p_1008 + d_431*p_1009 + d_443*p_1010 + d_974*p_1004 + d_986*p_1005;
+        const double d_1016 = d_1001*p_1006 + d_408*p_1007 + d_420*p_1008 + d_432*p_1009 + d_444*p_1010 + d_975*p_1004 + d_987*p_1005;
+        const double d_1017 = d_1002*p_1006 + d_409*p_1007 + d_421*p_1008 + d_433*p_1009 + d_445*p_1010 + d_976*p_1004 + d_988*p_1005;
+        const double d_1018 = d_1003*p_1006 + d_410*p_1007 + d_422*p_1008 + d_434*p_1009 + d_446*p_1010 + d_977*p_1004 + d_989*p_1005;
+        const double fwd_160 = bwd_158 - bwd_159*mul_109;
+        const double p_1019 = x121;
+        const double x177 = -bwd_159;
+        const double p_1020 = x177;
+        const double d_1021 = d_1011*p_1019 + d_593*p_1020 + d_996;
+        const double d_1022 = d_1012*p_1019 + d_594*p_1020 + d_997;
+        const double d_1023 = d_1013*p_1019 + d_595*p_1020 + d_998;
+        const double d_1024 = d_1014*p_1019 + d_596*p_1020 + d_999;
+        const double d_1025 = d_1000 + d_1015*p_1019;
+        const double d_1026 = d_1001 + d_1016*p_1019;
+        const double d_1027 = d_1002 + d_1017*p_1019;
+        const double d_1028 = d_1003 + d_1018*p_1019;
+        const double fwd_161 = bwd_157 - bwd_159*mul_113 - fwd_160*mul_121;
+        const double p_1029 = x124;
+        const double p_1030 = x131;
+        const double p_1031 = x177;
+        const double x178 = -fwd_160;
+        const double p_1032 = x178;
+        const double d_1033 = d_1011*p_1029 + d_1021*p_1030 + d_617*p_1031 + d_665*p_1032 + d_982;
+        const double d_1034 = d_1012*p_1029 + d_1022*p_1030 + d_618*p_1031 + d_666*p_1032 + d_983;
+        const double d_1035 = d_1013*p_1029 + d_1023*p_1030 + d_619*p_1031 + d_667*p_1032 + d_984;
+        const double d_1036 = d_1014*p_1029 + d_1024*p_1030 + d_620*p_1031 + d_668*p_1032 + d_985;
+        const double d_1037 = d_1015*p_1029 + d_1025*p_1030 + d_986;
+        const double d_1038 = d_1016*p_1029 + d_1026*p_1030 + d_987;
+        const double d_1039 = d_1017*p_1029 + d_1027*p_1030 + d_988;
+        const double d_1040 = d_1018*p_1029 + d_1028*p_1030 + d_989;
+        const double fwd_162 = bwd_156 - bwd_159*mul_117 - fwd_160*mul_124 - fwd_161*mul_127;
+        const double p_1041 = x125;
+        const double p_1042 = x133;
+        const double p_1043 = x137;
+        const double p_1044 = x177;
+        const double p_1045 = x178;
+        const double x179 = -fwd_161;
+        const double p_1046 = x179;
+        const double d_1047 = d_1011*p_1041 + d_1021*p_1042 + d_1033*p_1043 + d_641*p_1044 + d_683*p_1045 + d_701*p_1046 + d_970;
+        const double d_1048 = d_1012*p_1041 + d_1022*p_1042 + d_1034*p_1043 + d_642*p_1044 + d_684*p_1045 + d_702*p_1046 + d_971;
+        const double d_1049 = d_1013*p_1041 + d_1023*p_1042 + d_1035*p_1043 + d_643*p_1044 + d_685*p_1045 + d_703*p_1046 + d_972;
+        const double d_1050 = d_1014*p_1041 + d_1024*p_1042 + d_1036*p_1043 + d_644*p_1044 + d_686*p_1045 + d_704*p_1046 + d_973;
+        const double d_1051 = d_1015*p_1041 + d_1025*p_1042 + d_1037*p_1043 + d_974;
+        const double d_1052 = d_1016*p_1041 + d_1026*p_1042 + d_1038*p_1043 + d_975;
+        const double d_1053 = d_1017*p_1041 + d_1027*p_1042 + d_1039*p_1043 + d_976;
+        const double d_1054 = d_1018*p_1041 + d_1028*p_1042 + d_1040*p_1043 + d_977;
+        const double x180 = (1.0/(schur_128));
+        const double bwd_163 = fwd_162*x180;
+        const double p_1055 = x180;
+        const double p_1056 = -bwd_163*x180;
+        const double d_1057 = d_1047*p_1055 + d_707*p_1056;
+        const double d_1058 = d_1048*p_1055 + d_708*p_1056;
+        const double d_1059 = d_1049*p_1055 + d_709*p_1056;
+        const double d_1060 = d_1050*p_1055 + d_710*p_1056;
+        const double d_1061 = d_1051*p_1055;
+        const double d_1062 = d_1052*p_1055;
+        const double d_1063 = d_1053*p_1055;
+        const double d_1064 = d_1054*p_1055;
+        const double x181 = bwd_163*schur_123 + x179;
+        const double bwd_164 = -x134*x181;
+        const double p_1065 = -schur_123*x134;
+        const double p_1066 = x134;
+        const double p_1067 = x136*x181;
+        const double p_1068 = -bwd_163*x134;
+        const double d_1069 = d_1033*p_1066 + d_1057*p_1065 + d_671*p_1067 + d_677*p_1068;
+        const double d_1070 = d_1034*p_1066 + d_1058*p_1065 + d_672*p_1067 + d_678*p_1068;
+        const double d_1071 = d_1035*p_1066 + d_1059*p_1065 + d_673*p_1067 + d_679*p_1068;
+        const double d_1072 = d_1036*p_1066 + d_1060*p_1065 + d_674*p_1067 + d_680*p_1068;
+        const double d_1073 = d_1037*p_1066 + d_1061*p_1065;
+        const double d_1074 = d_1038*p_1066 + d_1062*p_1065;
+        const double d_1075 = d_1039*p_1066 + d_1063*p_1065;
+        const double d_1076 = d_1040*p_1066 + d_1064*p_1065;
+        const double x182 = bwd_163*schur_112 + bwd_164*schur_111 + x178;
+        const double bwd_165 = -x126*x182;
+        const double p_1077 = -schur_112*x126;
+        const double p_1078 = -schur_111*x126;
+        const double p_1079 = x126;
+        const double p_1080 = x128*x182;
+        const double p_1081 = -bwd_164*x126;
+        const double p_1082 = -bwd_163*x126;
+        const double d_1083 = d_1021*p_1079 + d_1057*p_1077 + d_1069*p_1078 + d_599*p_1080 + d_605*p_1081 + d_611*p_1082;
+        const double d_1084 = d_1022*p_1079 + d_1058*p_1077 + d_1070*p_1078 + d_600*p_1080 + d_606*p_1081 + d_612*p_1082;
+        const double d_1085 = d_1023*p_1079 + d_1059*p_1077 + d_1071*p_1078 + d_601*p_1080 + d_607*p_1081 + d_613*p_1082;
+        const double d_1086 = d_1024*p_1079 + d_1060*p_1077 + d_1072*p_1078 + d_602*p_1080 + d_608*p_1081 + d_614*p_1082;
+        const double d_1087 = d_1025*p_1079 + d_1061*p_1077 + d_1073*p_1078;
+        const double d_1088 = d_1026*p_1079 + d_1062*p_1077 + d_1074*p_1078;
+        const double d_1089 = d_1027*p_1079 + d_1063*p_1077 + d_1075*p_1078;
+        const double d_1090 = d_1028*p_1079 + d_1064*p_1077 + d_1076*p_1078;
+        const double x183 = bwd_163*sig_19 + bwd_164*sig_18 + bwd_165*sig_17 + x177;
+        const double bwd_166 = -x116*x183;
+        const double p_1091 = x116;
+        const double p_1092 = -sig_19*x116;
+        const double p_1093 = -sig_18*x116;
+        const double p_1094 = -sig_17*x116;
+        const double p_1095 = x118*x183;
+        const double p_1096 = -bwd_165*x116;
+        const double p_1097 = -bwd_164*x116;
+        const double p_1098 = -bwd_163*x116;
+        const double d_1099 = d_1011*p_1091 + d_1057*p_1092 + d_1069*p_1093 + d_1083*p_1094 + d_175*p_1095 + d_183*p_1096 + d_191*p_1097 + d_199*p_1098;
+        const double d_1100 = d_1012*p_1091 + d_1058*p_1092 + d_1070*p_1093 + d_1084*p_1094 + d_176*p_1095 + d_184*p_1096 + d_192*p_1097 + d_200*p_1098;
+        const double d_1101 = d_1013*p_1091 + d_1059*p_1092 + d_1071*p_1093 + d_1085*p_1094 + d_177*p_1095 + d_185*p_1096 + d_193*p_1097 + d_201*p_1098;
+        const double d_1102 = d_1014*p_1091 + d_1060*p_1092 + d_1072*p_1093 + d_1086*p_1094 + d_178*p_1095 + d_186*p_1096 + d_194*p_1097 + d_202*p_1098;
+        const double d_1103 = d_1015*p_1091 + d_1061*p_1092 + d_1073*p_1093 + d_1087*p_1094;
+        const double d_1104 = d_1016*p_1091 + d_1062*p_1092 + d_1074*p_1093 + d_1088*p_1094;
+        const double d_1105 = d_1017*p_1091 + d_1063*p_1092 + d_1075*p_1093 + d_1089*p_1094;
+        const double d_1106 = d_1018*p_1091 + d_1064*p_1092 + d_1076*p_1093 + d_1090*p_1094;
+        out[0] = bwd_166;
+        out[1] = bwd_165;
+        out[2] = bwd_164;
+        out[3] = bwd_163;
+        out[4] = logdet_152;
+        out[5] = d_1099;
+        out[6] = d_1100;
+        out[7] = d_1101;
+        out[8] = d_1102;
+        out[9] = d_1103;
+        out[10] = d_1104;
+        out[11] = d_1105;
+        out[12] = d_1106;
+        out[13] = d_1083;
+        out[14] = d_1084;
+        out[15] = d_1085;
+        out[16] = d_1086;
+        out[17] = d_1087;
+        out[18] = d_1088;
+        out[19] = d_1089;
+        out[20] = d_1090;
+        out[21] = d_1069;
+        out[22] = d_1070;
+        out[23] = d_1071;
+        out[24] = d_1072;
+        out[25] = d_1073;
+        out[26] = d_1074;
+        out[27] = d_1075;
+        out[28] = d_1076;
+        out[29] = d_1057;
+        out[30] = d_1058;
+        out[31] = d_1059;
+        out[32] = d_1060;
+        out[33] = d_1061;
+        out[34] = d_1062;
+        out[35] = d_1063;
+        out[36] = d_1064;
+        out[37] = d_931;
+        out[38] = d_932;
+        out[39] = d_933;
+        out[40] = d_934;
+        out[41] = d_927;
+        out[42] = d_928;
+        out[43] = d_929;
+        out[44] = d_930;
     }
     """
     void attention_tied_softmax_L1_T2_r1_reparam(const double*, const double*, double*) nogil
