@@ -5,11 +5,13 @@ tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry).
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
+The noisy rows use each Δ of --noise (noisy L = 2: the 4-D reference is ≈ 1e-3 accurate).
 Targets (issue 3): two-layer T = 2 route "reparam" ≤ 50 µs per sample at ≤ 1e-6; three-layer
 T = 2 ≤ 2 ms per sample at ≤ 1e-4.
 
     python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
                                   [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
+                                  [--routes reparam noisy] [--noise Δ ...]
 """
 import argparse
 import sys
@@ -27,7 +29,8 @@ CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
     ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"error_estimate": False}, {"tol": 1e-6}]),
     ("reparam", 3, 2, None, ref.reparam_l3, [{}, {"error_estimate": False}]),
-    ("noisy", 1, 2, 0.1, lambda y, o, V: ref.noisy_l1(y, o, V, noise=0.1), [{}, {"tol": 1e-6}]),
+    ("noisy", 1, 2, "Δ", lambda y, o, V, d: ref.noisy_l1(y, o, V, noise=d), [{}, {"error_estimate": False}]),
+    ("noisy", 2, 2, "Δ", lambda y, o, V, d: ref.noisy_l2(y, o, V, noise=d), [{}, {"error_estimate": False}]),
 ]
 
 
@@ -49,39 +52,52 @@ def main():
                    help="a state-evolution batch: samples with the same V share the L = 2 nodes")
     p.add_argument("--reference-samples", type=int, default=6)
     p.add_argument("--l3-reference-samples", type=int, default=3,
-                   help="L = 3 references take 10-45 s each")
+                   help="4-D cases (L = 3, noisy L = 2): references take 10 s to 3 min each")
     p.add_argument("--l3-timing-samples", type=int, default=40,
-                   help="L = 3 takes ≈ 15 ms per sample")
+                   help="4-D cases (L = 3, noisy L = 2) take ≈ 5-30 ms per sample")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
+    p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
+    p.add_argument("--routes", nargs="+", default=["reparam", "noisy"], help="the routes to run")
     p.add_argument("--pinned", action="store_true",
                    help="q = diag(0, …, 0, q): the last layer pinned, the earlier ones broad")
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'route':8s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
+    print(f"{'route':14s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
     for route, L, T, noise, reference, settings in CASES:
-        if L not in a.layers:
+        if L not in a.layers or (noise and route not in a.routes):
             continue
-        model = DeepAttention(L, T, threads=1)
-        for q in a.q:
-            y, omega, V = draws(model, q, a.l3_timing_samples if L == 3 else a.timing_samples, rng, noise,
-                                a.pinned)
-            k = a.l3_reference_samples if L == 3 else a.reference_samples
-            refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
-            for setting in settings:
-                channel = model.channel(noise=noise, threads=1, **setting)
-                channel.moments(y[:4], omega[:4], V)
-                times = []
-                for _ in range(3):                   # best of three (a shared machine is noisy)
-                    start = time.process_time()
-                    m = channel.moments(y, omega, V)
-                    times.append(time.process_time() - start)
-                us = min(times) / len(y) * 1e6
-                errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
-                label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
-                print(f"{route:8s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} {np.median(errs):11.1e} "
-                      f"{np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
+        if noise:                                   # one row per Δ of --noise
+            for delta in a.noise:
+                run(a, rng, route, L, T, delta, lambda y, o, V, d=delta, f=reference: f(y, o, V, d), settings)
+        else:
+            run(a, rng, route, L, T, None, reference, settings)
+
+
+def run(a, rng, route, L, T, noise, reference, settings):
+    """The rows of one case: per q, the timing batch, the references, every setting."""
+    model = DeepAttention(L, T, threads=1)
+    name = f"{route} Δ={noise:g}" if noise else route
+    four_d = L == 3 or (noise and L == 2)                   # 4-D integrals: the L = 3 sample counts
+    for q in a.q:
+        y, omega, V = draws(model, q, a.l3_timing_samples if four_d else a.timing_samples, rng, noise,
+                            a.pinned)
+        k = a.l3_reference_samples if four_d else a.reference_samples
+        refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
+        for setting in settings:
+            channel = model.channel(noise=noise, threads=1, **setting)
+            channel.moments(y[:4], omega[:4], V)
+            times = []
+            for _ in range(3):                   # best of three (a shared machine is noisy)
+                start = time.process_time()
+                m = channel.moments(y, omega, V)
+                times.append(time.process_time() - start)
+            us = min(times) / len(y) * 1e6
+            errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
+            label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
+            print(f"{name:14s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
+                  f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
 
 
 def _median(error):
