@@ -28,10 +28,12 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
 from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
 from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
 
 cdef enum:
     POLAR_MAX_LAYERS = 3     # integrate_polar: T = 2, up to two integrated layers
+    POLAR_TILE = 256         # integrate_polar, L ≥ 2: nodes per tile (its buffer stays in L1)
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
 
@@ -63,8 +65,204 @@ cdef extern from *:
         memcpy(&two_m, &bits, sizeof two_m);
         return p * SMI_EXP2_8[ki & 7] * two_m;
     }
+
+    /* integrate_polar for L = 2, T = 2, one sample over its K shared nodes, in two passes so
+       that the second vectorises: (1) h_2 = Phi^-1 u_2 and the four log weights
+       lw[a][b] = lc - Q(a, b)/2 (terms Z = [(-1)^a x; (-1)^b h], Q their V^-1 quadratic form
+       about omega), kept in buf (6 per node), and their maximum mx; (2) the weights
+       e^(lw - mx) and the moment sums about omega: out = [s0, s1 (4), the upper triangle of s2
+       (10, row by row)], relative to e^mx; returns mx.  Called on tiles of nodes.  Nodes with a non-finite h or lc (det Phi = 0) weigh 0. */
+    static double smi_polar2(const double* restrict u, const double* restrict om,
+                             const double* restrict P, double const0, double delta,
+                             const double* restrict nodes, int width, long K, int m,
+                             double* restrict buf, double* restrict out) {
+        const double p11 = P[0], p12 = P[1], p22 = P[3];
+        const double o0 = om[0], o1 = om[1], o2 = om[2], o3 = om[3];
+        double mx = -INFINITY;
+        for (long k = 0; k < K; k++) {
+            const double* nd = nodes + (long) width * k;
+            const double* uu = delta > 0 ? nd + 2 : u;
+            double lc = const0 + nd[m] - nd[m + 5];
+            if (delta > 0) {
+                double r2 = 0.0;
+                for (int j = 0; j < 4; j++) r2 += (u[j] - nd[m + 6 + j]) * (u[j] - nd[m + 6 + j]);
+                lc -= 0.5 * r2 / delta;
+            }
+            double h0 = nd[m + 1] * uu[0] + nd[m + 2] * uu[1], h1 = nd[m + 3] * uu[0] + nd[m + 4] * uu[1];
+            double* b = buf + 6 * k;
+            if (!(isfinite(h0) && isfinite(h1) && isfinite(lc))) {
+                b[0] = b[1] = 0.0;
+                b[2] = b[3] = b[4] = b[5] = -INFINITY;
+                continue;
+            }
+            double x0 = nd[0], x1 = nd[1];
+            double ax[2], bh[2], dx[2][2], dh[2][2];
+            dx[0][0] = x0 - o0; dx[0][1] = x1 - o1; dx[1][0] = -x0 - o0; dx[1][1] = -x1 - o1;
+            dh[0][0] = h0 - o2; dh[0][1] = h1 - o3; dh[1][0] = -h0 - o2; dh[1][1] = -h1 - o3;
+            for (int a = 0; a < 2; a++) {
+                ax[a] = p11 * (dx[a][0] * dx[a][0] + dx[a][1] * dx[a][1]);
+                bh[a] = p22 * (dh[a][0] * dh[a][0] + dh[a][1] * dh[a][1]);
+            }
+            b[0] = h0; b[1] = h1;
+            for (int a = 0; a < 2; a++)
+                for (int c = 0; c < 2; c++) {
+                    double lw = lc - 0.5 * (ax[a] + bh[c]) - p12 * (dx[a][0] * dh[c][0] + dx[a][1] * dh[c][1]);
+                    b[2 + 2 * a + c] = lw;
+                    mx = lw > mx ? lw : mx;
+                }
+        }
+        double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+        double q00 = 0, q01 = 0, q11 = 0, q22 = 0, q23 = 0, q33 = 0, q02 = 0, q03 = 0, q12 = 0, q13 = 0;
+        #pragma omp simd reduction(+: s0, m0, m1, m2, m3, q00, q01, q11, q22, q23, q33, q02, q03, q12, q13)
+        for (long k = 0; k < K; k++) {
+            const double* nd = nodes + (long) width * k;
+            const double* b = buf + 6 * k;
+            double x0 = nd[0], x1 = nd[1], h0 = b[0], h1 = b[1];
+            double w00 = smi_exp_neg(b[2] - mx), w01 = smi_exp_neg(b[3] - mx);
+            double w10 = smi_exp_neg(b[4] - mx), w11 = smi_exp_neg(b[5] - mx);
+            double wxp = w00 + w01, wxm = w10 + w11, whp = w00 + w10, whm = w01 + w11;
+            double ap0 = x0 - o0, ap1 = x1 - o1, am0 = -x0 - o0, am1 = -x1 - o1;
+            double bp0 = h0 - o2, bp1 = h1 - o3, bm0 = -h0 - o2, bm1 = -h1 - o3;
+            double cp0 = w00 * bp0 + w01 * bm0, cp1 = w00 * bp1 + w01 * bm1;     /* x signed + */
+            double cm0 = w10 * bp0 + w11 * bm0, cm1 = w10 * bp1 + w11 * bm1;     /* x signed - */
+            s0 += wxp + wxm;
+            m0 += wxp * ap0 + wxm * am0;  m1 += wxp * ap1 + wxm * am1;
+            m2 += whp * bp0 + whm * bm0;  m3 += whp * bp1 + whm * bm1;
+            q00 += wxp * ap0 * ap0 + wxm * am0 * am0;
+            q01 += wxp * ap0 * ap1 + wxm * am0 * am1;
+            q11 += wxp * ap1 * ap1 + wxm * am1 * am1;
+            q22 += whp * bp0 * bp0 + whm * bm0 * bm0;
+            q23 += whp * bp0 * bp1 + whm * bm0 * bm1;
+            q33 += whp * bp1 * bp1 + whm * bm1 * bm1;
+            q02 += ap0 * cp0 + am0 * cm0;  q03 += ap0 * cp1 + am0 * cm1;
+            q12 += ap1 * cp0 + am1 * cm0;  q13 += ap1 * cp1 + am1 * cm1;
+        }
+        double sums[15] = {s0, m0, m1, m2, m3, q00, q01, q02, q03, q11, q12, q13, q22, q23, q33};
+        memcpy(out, sums, sizeof sums);
+        return mx;
+    }
+
+    /* integrate_polar for route 0, L = 3, T = 2 (nodes [x = (h_1, h_2), log weight, Phi^-1,
+       log|det Phi|]): as smi_polar2 with the eight terms Z = [s_1 h_1; s_2 h_2; s_3 h_3] (buf:
+       14 per node: Z and the log weights); the moment sums need only the weight of each layer's sign and of each
+       pair of layers' signs.  out = [s0, s1 (6), the upper triangle of s2 (21)]. */
+    static double smi_polar3(const double* restrict u, const double* restrict om,
+                             const double* restrict P, double const0,
+                             const double* restrict nodes, int width, long K,
+                             double* restrict buf, double* restrict out) {
+        double mx = -INFINITY;
+        #pragma omp simd reduction(max: mx)
+        for (long k = 0; k < K; k++) {
+            const double* nd = nodes + (long) width * k;
+            double lc = const0 + nd[4] - nd[9];
+            double h0 = nd[5] * u[0] + nd[6] * u[1], h1 = nd[7] * u[0] + nd[8] * u[1];
+            int ok = isfinite(h0) && isfinite(h1) && isfinite(lc);   /* else the node weighs 0 */
+            double* b = buf + 14 * k;
+            double z[3][2] = {{nd[0], nd[1]}, {nd[2], nd[3]}, {ok ? h0 : 0.0, ok ? h1 : 0.0}};
+            double d[3][2][2], sq[3][2], cr[3][2][2];            /* cr: pairs (0,1), (0,2), (1,2) */
+            #pragma GCC unroll 8
+            for (int a = 0; a < 3; a++)
+                #pragma GCC unroll 8
+                for (int t = 0; t < 2; t++) {
+                    d[a][0][t] = z[a][t] - om[2 * a + t];
+                    d[a][1][t] = -z[a][t] - om[2 * a + t];
+                }
+            #pragma GCC unroll 8
+            for (int a = 0; a < 3; a++)
+                #pragma GCC unroll 8
+                for (int s = 0; s < 2; s++)
+                    sq[a][s] = P[4 * a] * (d[a][s][0] * d[a][s][0] + d[a][s][1] * d[a][s][1]);
+            #pragma GCC unroll 8
+            for (int c = 0; c < 3; c++) {
+                int a = c == 2 ? 1 : 0, e = c == 0 ? 1 : 2;
+                #pragma GCC unroll 8
+                for (int s = 0; s < 2; s++)
+                    #pragma GCC unroll 8
+                    for (int r = 0; r < 2; r++)
+                        cr[c][s][r] = 2.0 * P[3 * a + e] * (d[a][s][0] * d[e][r][0] + d[a][s][1] * d[e][r][1]);
+            }
+            #pragma GCC unroll 8
+            for (int a = 0; a < 6; a++) b[a] = z[a >> 1][a & 1];
+            #pragma GCC unroll 8
+            for (int p = 0; p < 8; p++) {
+                int s1 = p & 1, s2 = (p >> 1) & 1, s3 = p >> 2;
+                double lw = lc - 0.5 * (sq[0][s1] + sq[1][s2] + sq[2][s3]
+                                        + cr[0][s1][s2] + cr[1][s1][s3] + cr[2][s2][s3]);
+                lw = ok ? lw : -INFINITY;
+                b[6 + p] = lw;
+                mx = lw > mx ? lw : mx;
+            }
+        }
+        double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0, q00 = 0, q01 = 0, q02 = 0, q03 = 0, q04 = 0, q05 = 0, q11 = 0, q12 = 0, q13 = 0, q14 = 0, q15 = 0, q22 = 0, q23 = 0, q24 = 0, q25 = 0, q33 = 0, q34 = 0, q35 = 0, q44 = 0, q45 = 0, q55 = 0;
+        #pragma omp simd reduction(+: s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55)
+        for (long k = 0; k < K; k++) {
+            const double* b = buf + 14 * k;          /* [Z (6), log weights (8)] */
+            double d[3][2][2], w[8], W[3][2] = {{0}}, Wp[3][2][2] = {{{0}}};
+            #pragma GCC unroll 8
+            for (int a = 0; a < 3; a++)
+                #pragma GCC unroll 8
+                for (int t = 0; t < 2; t++) {
+                    d[a][0][t] = b[2 * a + t] - om[2 * a + t];
+                    d[a][1][t] = -b[2 * a + t] - om[2 * a + t];
+                }
+            #pragma GCC unroll 8
+            for (int p = 0; p < 8; p++) {
+                int s1 = p & 1, s2 = (p >> 1) & 1, s3 = p >> 2;
+                w[p] = smi_exp_neg(b[6 + p] - mx);
+                W[0][s1] += w[p]; W[1][s2] += w[p]; W[2][s3] += w[p];
+                Wp[0][s1][s2] += w[p]; Wp[1][s1][s3] += w[p]; Wp[2][s2][s3] += w[p];
+            }
+            s0 += W[0][0] + W[0][1];
+            m0 += W[0][0] * d[0][0][0] + W[0][1] * d[0][1][0];
+            m1 += W[0][0] * d[0][0][1] + W[0][1] * d[0][1][1];
+            m2 += W[1][0] * d[1][0][0] + W[1][1] * d[1][1][0];
+            m3 += W[1][0] * d[1][0][1] + W[1][1] * d[1][1][1];
+            m4 += W[2][0] * d[2][0][0] + W[2][1] * d[2][1][0];
+            m5 += W[2][0] * d[2][0][1] + W[2][1] * d[2][1][1];
+            q00 += W[0][0] * d[0][0][0] * d[0][0][0] + W[0][1] * d[0][1][0] * d[0][1][0];
+            q01 += W[0][0] * d[0][0][0] * d[0][0][1] + W[0][1] * d[0][1][0] * d[0][1][1];
+            q02 += d[0][0][0] * (Wp[0][0][0] * d[1][0][0] + Wp[0][0][1] * d[1][1][0])
+                     + d[0][1][0] * (Wp[0][1][0] * d[1][0][0] + Wp[0][1][1] * d[1][1][0]);
+            q03 += d[0][0][0] * (Wp[0][0][0] * d[1][0][1] + Wp[0][0][1] * d[1][1][1])
+                     + d[0][1][0] * (Wp[0][1][0] * d[1][0][1] + Wp[0][1][1] * d[1][1][1]);
+            q04 += d[0][0][0] * (Wp[1][0][0] * d[2][0][0] + Wp[1][0][1] * d[2][1][0])
+                     + d[0][1][0] * (Wp[1][1][0] * d[2][0][0] + Wp[1][1][1] * d[2][1][0]);
+            q05 += d[0][0][0] * (Wp[1][0][0] * d[2][0][1] + Wp[1][0][1] * d[2][1][1])
+                     + d[0][1][0] * (Wp[1][1][0] * d[2][0][1] + Wp[1][1][1] * d[2][1][1]);
+            q11 += W[0][0] * d[0][0][1] * d[0][0][1] + W[0][1] * d[0][1][1] * d[0][1][1];
+            q12 += d[0][0][1] * (Wp[0][0][0] * d[1][0][0] + Wp[0][0][1] * d[1][1][0])
+                     + d[0][1][1] * (Wp[0][1][0] * d[1][0][0] + Wp[0][1][1] * d[1][1][0]);
+            q13 += d[0][0][1] * (Wp[0][0][0] * d[1][0][1] + Wp[0][0][1] * d[1][1][1])
+                     + d[0][1][1] * (Wp[0][1][0] * d[1][0][1] + Wp[0][1][1] * d[1][1][1]);
+            q14 += d[0][0][1] * (Wp[1][0][0] * d[2][0][0] + Wp[1][0][1] * d[2][1][0])
+                     + d[0][1][1] * (Wp[1][1][0] * d[2][0][0] + Wp[1][1][1] * d[2][1][0]);
+            q15 += d[0][0][1] * (Wp[1][0][0] * d[2][0][1] + Wp[1][0][1] * d[2][1][1])
+                     + d[0][1][1] * (Wp[1][1][0] * d[2][0][1] + Wp[1][1][1] * d[2][1][1]);
+            q22 += W[1][0] * d[1][0][0] * d[1][0][0] + W[1][1] * d[1][1][0] * d[1][1][0];
+            q23 += W[1][0] * d[1][0][0] * d[1][0][1] + W[1][1] * d[1][1][0] * d[1][1][1];
+            q24 += d[1][0][0] * (Wp[2][0][0] * d[2][0][0] + Wp[2][0][1] * d[2][1][0])
+                     + d[1][1][0] * (Wp[2][1][0] * d[2][0][0] + Wp[2][1][1] * d[2][1][0]);
+            q25 += d[1][0][0] * (Wp[2][0][0] * d[2][0][1] + Wp[2][0][1] * d[2][1][1])
+                     + d[1][1][0] * (Wp[2][1][0] * d[2][0][1] + Wp[2][1][1] * d[2][1][1]);
+            q33 += W[1][0] * d[1][0][1] * d[1][0][1] + W[1][1] * d[1][1][1] * d[1][1][1];
+            q34 += d[1][0][1] * (Wp[2][0][0] * d[2][0][0] + Wp[2][0][1] * d[2][1][0])
+                     + d[1][1][1] * (Wp[2][1][0] * d[2][0][0] + Wp[2][1][1] * d[2][1][0]);
+            q35 += d[1][0][1] * (Wp[2][0][0] * d[2][0][1] + Wp[2][0][1] * d[2][1][1])
+                     + d[1][1][1] * (Wp[2][1][0] * d[2][0][1] + Wp[2][1][1] * d[2][1][1]);
+            q44 += W[2][0] * d[2][0][0] * d[2][0][0] + W[2][1] * d[2][1][0] * d[2][1][0];
+            q45 += W[2][0] * d[2][0][0] * d[2][0][1] + W[2][1] * d[2][1][0] * d[2][1][1];
+            q55 += W[2][0] * d[2][0][1] * d[2][0][1] + W[2][1] * d[2][1][1] * d[2][1][1];
+        }
+        double sums[28] = {s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55};
+        memcpy(out, sums, sizeof sums);
+        return mx;
+    }
     """
     double smi_exp_neg(double x) noexcept nogil
+    double smi_polar3(const double* u, const double* om, const double* P, double const0,
+                      const double* nodes, int width, long K, double* buf, double* out) noexcept nogil
+    double smi_polar2(const double* u, const double* om, const double* P, double const0, double delta,
+                      const double* nodes, int width, long K, int m, double* buf, double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -353,11 +551,51 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
     cdef const double* nd
     cdef const double* uu = u
     cdef double h[2]
-    cdef double lc, r2
+    cdef double lc, r2, top, scale
+    cdef double* buf
+    cdef double* part
+    cdef double* total
+    cdef Py_ssize_t cnt
+    cdef int n_sum, r, t
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
+    if L >= 2:                          # by tiles, two passes each (smi_polar2, 3: vectorised)
+        n_sum = 1 + 2 * L + L * (2 * L + 1)
+        buf = <double*> malloc((14 * POLAR_TILE + 2 * n_sum) * sizeof(double))
+        part, total = buf + 14 * POLAR_TILE, buf + 14 * POLAR_TILE + n_sum
+        for j in range(n_sum):
+            total[j] = 0.0
+        k = 0
+        while k < K:
+            cnt = min(POLAR_TILE, K - k)
+            k += cnt
+            if L == 2:
+                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + width * (k - cnt), width, cnt, m, buf, part)
+            else:
+                top = smi_polar3(u, omega, Vinv, const0, nodes + width * (k - cnt), width, cnt, buf, part)
+            if top == -INFINITY:
+                continue
+            if top > acc.mx:            # move the total to the new maximum
+                scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
+                for j in range(n_sum):
+                    total[j] = total[j] * scale + part[j]
+                acc.mx = top
+            else:
+                scale = exp(top - acc.mx)
+                for j in range(n_sum):
+                    total[j] += part[j] * scale
+        acc.s0 = total[0]
+        r = 1 + 2 * L
+        for j in range(2 * L):
+            acc.s1[j] = total[1 + j]
+            for t in range(j, 2 * L):
+                acc.s2[j * 2 * L + t] = total[r]
+                r += 1
+        free(buf)
+        _acc_finish(&acc, log_z, mean, second)
+        return
     for k in range(K):
         nd = nodes + width * k
         lc = const0 + nd[m] - nd[m + 5]
