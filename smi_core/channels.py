@@ -297,10 +297,18 @@ class ReparamChannel(PolarRule, Channel):
 
     # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
     POLAR_SCALE = {2: 1.0, 3: 0.5}      # node counts at the default ``nodes``
+    # three layers: at least 5 angles per ring (c0·scale), at most 30, the prior cut at e^-15
+    # (max error on 4 draws per q against the independent reference at n = 7: 5.0e-5 / 3.5e-5 /
+    # 1.0e-4 at q = 0 / 0.3 / 0.9 with 38k / 52k / 79k node pairs, was 3.8e-4 / 7.9e-5 / 1.3e-4
+    # with 39k / 51k / 69k)
+    POLAR_L3 = dict(c0=10.0, cap=60, reach=5.5)
 
     @property
     def _ring_layers(self):
         return self.model.layers - 1
+
+    def _polar_params(self):
+        return self.POLAR | self.POLAR_L3 if self.model.layers == 3 else self.POLAR
 
     def _polar_samples(self, omega, V):
         """T = 2, L ∈ {2, 3} samples whose posterior over every earlier layer is broad: the sd of

@@ -33,6 +33,10 @@ class PolarRule:
                                         # have ≈ 10⁴–10⁵ nodes each)
     POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
 
+    def _polar_params(self):
+        """The ring parameters (POLAR, with any per-model changes)."""
+        return self.POLAR
+
     def _polar_target(self):
         """Error tolerance of the escalation (None: no escalation)."""
         return self.tol
@@ -62,7 +66,7 @@ class PolarRule:
         to the group's |ω_ℓ| (fewer angles where the prior is small: the trapezoid error is
         relative to the ring's mass).  Returns the nodes (M, 2), their log weights, their group
         (sorted) and d(r)²/V_ℓℓ."""
-        p = self.POLAR
+        p = self._polar_params()
         G = group.max() + 1
         lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
         np.minimum.at(lo, group, mu)
@@ -105,7 +109,7 @@ class PolarRule:
             parts = [(x[e[g]:e[g + 1]], lw[e[g]:e[g + 1]], far[e[g]:e[g + 1]])
                      for (x, lw, _, far), e in zip(layers, bounds)]
             grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
-            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self.POLAR["reach"] ** 2
+            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self._polar_params()["reach"] ** 2
             grids = [i[keep] for i in grids]
             xs.append(np.concatenate([x[i] for (x, _, _), i in zip(parts, grids)], axis=1))
             lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
