@@ -543,8 +543,10 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
                         int L, double delta, const double* nodes, int width, Py_ssize_t K,
                         double* log_z, double* mean, double* second) noexcept nogil:
-    """One sample of ``integrate_polar``: per node h_L = Φ⁻¹u_L and the log constant, then the
-    2^L terms (``_polar_node2`` for L = 2, ``_polar_node`` otherwise)."""
+    """One sample of ``integrate_polar``: L ≥ 2 by tiles of POLAR_TILE nodes (``smi_polar2``,
+    ``smi_polar3``: two passes each, the tiles' sums merged at their maxima); L = 1 (route 1)
+    node by node with a running maximum (``_add``; per node h_1 = u_1, the log constant and the
+    two terms ±h_1)."""
     cdef Acc acc
     cdef Py_ssize_t k
     cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's column
@@ -607,151 +609,11 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
             lc -= 0.5 * r2 / delta
         h[0] = nd[m + 1] * uu[0] + nd[m + 2] * uu[1]
         h[1] = nd[m + 3] * uu[0] + nd[m + 4] * uu[1]
-        if L == 2:
-            _polar_node2(&acc, omega, Vinv, nd, h, lc)
-        elif L == 3:
-            _polar_node(&acc, omega, Vinv, 3, nd, h, lc)        # constant L: unrolled
-        else:
-            _polar_node(&acc, omega, Vinv, 1, nd, h, lc)
+        if isfinite(lc):
+            for j in range(2):          # the terms ±u_1 (g is even in u_1)
+                h[0], h[1] = -h[0], -h[1]
+                _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
     _acc_finish(&acc, log_z, mean, second)
-
-
-cdef inline void _polar_node(Acc* acc, const double* om, const double* Vinv, int L, const double* x,
-                             const double* h, double lc) noexcept nogil:
-    """Route 0, T = 2: the 2^L terms Z = [s_1 x_1; …; s_{L-1} x_{L-1}; s_L h_L] (each earlier
-    layer's row reflected or not, sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about
-    ref = ω.  With P = V⁻¹ and d_a(s) = s z_a - ω_a:  Q(s) = Σ_a P_aa |d_a(s_a)|² +
-    2 Σ_{a<b} P_ab d_a(s_a)·d_b(s_b); the moment sums split into layer blocks, each needing only
-    the total weight of the terms with given (s_a) or (s_a, s_b), so 2^L terms cost little more
-    than one."""
-    cdef double d[POLAR_MAX_LAYERS][2][2]
-    cdef double sq[POLAR_MAX_LAYERS][2]
-    cdef double cr[POLAR_MAX_LAYERS][POLAR_MAX_LAYERS][2][2]
-    cdef double lw[1 << POLAR_MAX_LAYERS]
-    cdef double Wa[POLAR_MAX_LAYERS][2]
-    cdef double Wab[POLAR_MAX_LAYERS][POLAR_MAX_LAYERS][2][2]
-    cdef double top, wt, total, c0, c1
-    cdef int a, b, s, r, t, p, n = 2 * L, P = 1 << L
-    cdef const double* z
-    if not (isfinite(h[0]) and isfinite(h[1]) and isfinite(lc)):
-        return                              # det Φ = 0: the Gaussian factor vanishes there
-    for a in range(L):
-        z = h if a == L - 1 else x + 2 * a
-        for t in range(2):
-            d[a][0][t] = z[t] - om[2 * a + t]
-            d[a][1][t] = -z[t] - om[2 * a + t]
-        for s in range(2):
-            sq[a][s] = Vinv[a * L + a] * (d[a][s][0] * d[a][s][0] + d[a][s][1] * d[a][s][1])
-        for b in range(a):
-            for s in range(2):
-                for r in range(2):
-                    cr[b][a][s][r] = 2.0 * Vinv[a * L + b] * (d[b][s][0] * d[a][r][0] + d[b][s][1] * d[a][r][1])
-    top = -INFINITY
-    for p in range(P):
-        lw[p] = 0.0
-        for a in range(L):
-            lw[p] += sq[a][(p >> a) & 1]
-            for b in range(a):
-                lw[p] += cr[b][a][(p >> b) & 1][(p >> a) & 1]
-        lw[p] = lc - 0.5 * lw[p]
-        if lw[p] > top:
-            top = lw[p]
-    if not top > acc.mx - 45.0:
-        return
-    if top > acc.mx:
-        _rescale(acc, top)
-    for a in range(L):
-        Wa[a][0] = Wa[a][1] = 0.0
-        for b in range(a):
-            Wab[b][a][0][0] = Wab[b][a][0][1] = Wab[b][a][1][0] = Wab[b][a][1][1] = 0.0
-    total = 0.0
-    for p in range(P):
-        wt = smi_exp_neg(lw[p] - acc.mx)
-        total += wt
-        for a in range(L):
-            Wa[a][(p >> a) & 1] += wt
-            for b in range(a):
-                Wab[b][a][(p >> b) & 1][(p >> a) & 1] += wt
-    acc.s0 += total
-    for a in range(L):
-        for s in range(2):
-            acc.s1[2 * a] += Wa[a][s] * d[a][s][0]
-            acc.s1[2 * a + 1] += Wa[a][s] * d[a][s][1]
-            acc.s2[(2 * a) * n + 2 * a] += Wa[a][s] * d[a][s][0] * d[a][s][0]
-            acc.s2[(2 * a) * n + 2 * a + 1] += Wa[a][s] * d[a][s][0] * d[a][s][1]
-            acc.s2[(2 * a + 1) * n + 2 * a + 1] += Wa[a][s] * d[a][s][1] * d[a][s][1]
-        for b in range(a):              # block (b, a), b < a: rows of layer b, columns of layer a
-            for s in range(2):
-                c0 = Wab[b][a][s][0] * d[b][s][0]
-                c1 = Wab[b][a][s][0] * d[b][s][1]
-                acc.s2[(2 * b) * n + 2 * a] += c0 * d[a][0][0]
-                acc.s2[(2 * b) * n + 2 * a + 1] += c0 * d[a][0][1]
-                acc.s2[(2 * b + 1) * n + 2 * a] += c1 * d[a][0][0]
-                acc.s2[(2 * b + 1) * n + 2 * a + 1] += c1 * d[a][0][1]
-                c0 = Wab[b][a][s][1] * d[b][s][0]
-                c1 = Wab[b][a][s][1] * d[b][s][1]
-                acc.s2[(2 * b) * n + 2 * a] += c0 * d[a][1][0]
-                acc.s2[(2 * b) * n + 2 * a + 1] += c0 * d[a][1][1]
-                acc.s2[(2 * b + 1) * n + 2 * a] += c1 * d[a][1][0]
-                acc.s2[(2 * b + 1) * n + 2 * a + 1] += c1 * d[a][1][1]
-
-
-cdef inline void _polar_node2(Acc* acc, const double* om, const double* Vinv, const double* x,
-                             const double* h, double lc) noexcept nogil:
-    """Route 0, L = 2, T = 2, x = h_1 (``_polar_node`` written out for L = 2: 10 % faster): the four terms Z = [±x; ±h_2] (layer 1 row reflected,
-    sign of u_L) with weights e^(lc - Q/2), added to ``acc`` about ref = ω.
-    With P = V⁻¹, dx_± = ±x - ω₁, dh_± = ±h_2 - ω₂:  Q(s, σ) = P₁₁|dx_s|² + 2P₁₂ dx_s·dh_σ +
-    P₂₂|dh_σ|², and the moment sums split into the (x, x), (h, h) and (x, h) blocks, so the four
-    terms cost little more than one."""
-    cdef double p11 = Vinv[0], p12 = Vinv[1], p22 = Vinv[3]
-    cdef double dx[2][2]
-    cdef double dh[2][2]
-    cdef double lw[2][2]
-    cdef double wt[2][2]
-    cdef double ax[2]
-    cdef double bh[2]
-    cdef double c[2][2]
-    cdef double top, wx, wh
-    cdef int a, b, i
-    if not (isfinite(h[0]) and isfinite(h[1]) and isfinite(lc)):
-        return                              # det Φ = 0: the Gaussian factor vanishes there
-    for i in range(2):
-        dx[0][i], dx[1][i] = x[i] - om[i], -x[i] - om[i]
-        dh[0][i], dh[1][i] = h[i] - om[2 + i], -h[i] - om[2 + i]
-    top = -INFINITY
-    for a in range(2):
-        ax[a] = p11 * (dx[a][0] * dx[a][0] + dx[a][1] * dx[a][1])
-        bh[a] = p22 * (dh[a][0] * dh[a][0] + dh[a][1] * dh[a][1])
-    for a in range(2):
-        for b in range(2):
-            lw[a][b] = lc - 0.5 * (ax[a] + bh[b]) - p12 * (dx[a][0] * dh[b][0] + dx[a][1] * dh[b][1])
-            if lw[a][b] > top:
-                top = lw[a][b]
-    if not top > acc.mx - 45.0:
-        return
-    if top > acc.mx:
-        _rescale(acc, top)
-    for a in range(2):
-        for b in range(2):
-            wt[a][b] = smi_exp_neg(lw[a][b] - acc.mx)
-    for a in range(2):
-        wx = wt[a][0] + wt[a][1]            # mass of the terms with x reflected by a
-        wh = wt[0][a] + wt[1][a]            # mass of the terms with h_2 signed by a
-        acc.s0 += wx
-        for i in range(2):
-            acc.s1[i] += wx * dx[a][i]
-            acc.s1[2 + i] += wh * dh[a][i]
-            c[a][i] = wt[a][0] * dh[0][i] + wt[a][1] * dh[1][i]
-        acc.s2[0] += wx * dx[a][0] * dx[a][0]
-        acc.s2[1] += wx * dx[a][0] * dx[a][1]
-        acc.s2[5] += wx * dx[a][1] * dx[a][1]
-        acc.s2[10] += wh * dh[a][0] * dh[a][0]
-        acc.s2[11] += wh * dh[a][0] * dh[a][1]
-        acc.s2[15] += wh * dh[a][1] * dh[a][1]
-        acc.s2[2] += dx[a][0] * c[a][0]
-        acc.s2[3] += dx[a][0] * c[a][1]
-        acc.s2[6] += dx[a][1] * c[a][0]
-        acc.s2[7] += dx[a][1] * c[a][1]
 
 
 cdef struct Problem:
