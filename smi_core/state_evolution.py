@@ -162,7 +162,10 @@ class _Problem:
         return y.reshape(len(Z), *self.model.output_shape)
 
     def fields(self, q: np.ndarray):
-        """ω = q^{1/2} ξ, V = I − q, Z = ω + V^{1/2} ζ (column-wise)."""
+        """ω = q^{1/2} ξ, V = I − q, Z = ω + V^{1/2} ζ (column-wise).  q is symmetrised first:
+        near q = I the entries of V are ≈ 1e-5, and a rounding-level asymmetry of q would make V
+        fail the channel's symmetry check."""
+        q = 0.5 * (q + q.T)
         V = np.eye(self.R) - q
         omega = np.einsum("ab,nbt->nat", _sqrtm(q), self.draws.xi)
         Z = omega + np.einsum("ab,nbt->nat", _sqrtm(V), self.draws.zeta)

@@ -231,3 +231,22 @@ def test_stagnation_needs_a_narrow_band_without_drift():
              for k in range(6)]
     assert not _stagnated(drift, 1e-4)
     assert not _stagnated(jitter[:5], 1e-4)
+
+
+def test_se_step_near_q_equal_identity_with_rounding_asymmetry():
+    """The three-layer curve stopped at α ≈ 1.6 with 'V must be symmetric positive definite':
+    its q ≈ I carried a rounding-level asymmetry (7.6e-17), which in V = I − q (entries ≈ 3e-5)
+    is 2e-12 relative — over the channel's 1e-12 check.  That q (from the failing run) must
+    give an exactly symmetric V and a finite SE step."""
+    from smi_core.state_evolution import _Problem
+    V = np.array([[3.4888597141180533e-05, -1.4018965803717140e-06, 1.0715783486338315e-07],
+                  [-1.4018965802957491e-06, 3.9285352735562995e-05, -1.8305276108287905e-09],
+                  [1.0715783486355426e-07, -1.8305276107985000e-09, 1.0003390168433768e-06]])
+    q = np.eye(3) - V
+    assert np.abs(q - q.T).max() > 0                      # the asymmetry of the failing run
+    problem = _Problem(DeepAttention(3, 2), None, 0.0, 64, "sobol", np.random.default_rng(0),
+                       {"nodes": 3, "error_estimate": False})
+    _, V_used, _ = problem.fields(q)
+    assert (V_used == V_used.T).all()
+    q_hat, *_ = problem.step(q, 1.6)
+    assert np.isfinite(q_hat).all()
