@@ -320,6 +320,24 @@ cdef inline void _add(Acc* acc, double lw, const double* Z, const double* ref) n
             acc.s2[i * n + j] += w * (Z[i] - ref[i]) * (Z[j] - ref[j])
 
 
+cdef inline void _add_sums(Acc* acc, double top, const double* part) noexcept nogil:
+    """Add sums given relative to e^top, packed as [s0, s1, the upper triangle of s2 row by
+    row] (``smi_polar2``, ``smi_polar3``), moving ``acc`` to top first when it is higher."""
+    cdef int i, j, r = 1 + acc.n, n = acc.n
+    cdef double scale
+    if top == -INFINITY:
+        return
+    if top > acc.mx:
+        _rescale(acc, top)
+    scale = exp(top - acc.mx)
+    acc.s0 += part[0] * scale
+    for i in range(n):
+        acc.s1[i] += part[1 + i] * scale
+        for j in range(i, n):
+            acc.s2[i * n + j] += part[r] * scale
+            r += 1
+
+
 cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
     int route, R, T, d, M, n_data, n_node, active, polar
     kernel_t f
@@ -522,9 +540,8 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
       h_L = Φ⁻¹u_L (dh_L = du_L/|det Φ|) and the integrand N([h_{<L}; h_L]; ω, V) N(y; g, Δ I)
       (log_z exact).
     The integrand is folded over every reflection h_ℓ → -h_ℓ (Φ and g are even in each layer),
-    so each layer's nodes cover a half plane and every node carries 2^L terms.  Terms below
-    e^-45 of the running maximum are skipped.  Moments about ω: mean E[Z - ω], second
-    E[(Z - ω)(Z - ω)ᵀ]."""
+    so each layer's nodes cover a half plane and every node carries 2^L terms.  Moments about
+    ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
@@ -545,72 +562,43 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                         double* log_z, double* mean, double* second) noexcept nogil:
     """One sample of ``integrate_polar``: L ≥ 2 by tiles of POLAR_TILE nodes (``smi_polar2``,
     ``smi_polar3``: two passes each, the tiles' sums merged at their maxima); L = 1 (route 1)
-    node by node with a running maximum (``_add``; per node h_1 = u_1, the log constant and the
-    two terms ±h_1)."""
+    node by node with a running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log
+    constant and the two terms ±h_1)."""
     cdef Acc acc
     cdef Py_ssize_t k
     cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's column
     cdef const double* nd
-    cdef const double* uu = u
     cdef double h[2]
-    cdef double lc, r2, top, scale
+    cdef double lc, r2, top
     cdef double* buf
     cdef double* part
-    cdef double* total
     cdef Py_ssize_t cnt
-    cdef int n_sum, r, t
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
     if L >= 2:                          # by tiles, two passes each (smi_polar2, 3: vectorised)
-        n_sum = 1 + 2 * L + L * (2 * L + 1)
-        buf = <double*> malloc((14 * POLAR_TILE + 2 * n_sum) * sizeof(double))
-        part, total = buf + 14 * POLAR_TILE, buf + 14 * POLAR_TILE + n_sum
-        for j in range(n_sum):
-            total[j] = 0.0
+        buf = <double*> malloc((14 * POLAR_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
+        part = buf + 14 * POLAR_TILE
         k = 0
         while k < K:
             cnt = min(POLAR_TILE, K - k)
-            k += cnt
             if L == 2:
-                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + width * (k - cnt), width, cnt, m, buf, part)
+                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + width * k, width, cnt, m, buf, part)
             else:
-                top = smi_polar3(u, omega, Vinv, const0, nodes + width * (k - cnt), width, cnt, buf, part)
-            if top == -INFINITY:
-                continue
-            if top > acc.mx:            # move the total to the new maximum
-                scale = exp(acc.mx - top) if acc.mx > -INFINITY else 0.0
-                for j in range(n_sum):
-                    total[j] = total[j] * scale + part[j]
-                acc.mx = top
-            else:
-                scale = exp(top - acc.mx)
-                for j in range(n_sum):
-                    total[j] += part[j] * scale
-        acc.s0 = total[0]
-        r = 1 + 2 * L
-        for j in range(2 * L):
-            acc.s1[j] = total[1 + j]
-            for t in range(j, 2 * L):
-                acc.s2[j * 2 * L + t] = total[r]
-                r += 1
+                top = smi_polar3(u, omega, Vinv, const0, nodes + width * k, width, cnt, buf, part)
+            _add_sums(&acc, top, part)
+            k += cnt
         free(buf)
-        _acc_finish(&acc, log_z, mean, second)
-        return
-    for k in range(K):
-        nd = nodes + width * k
-        lc = const0 + nd[m] - nd[m + 5]
-        if delta > 0:
-            uu = nd + 2 * (L - 1)
+    else:                               # L = 1 (route 1): h_1 = u_1, the terms ±u_1
+        for k in range(K):
+            nd = nodes + width * k
             r2 = 0.0
             for j in range(4):
                 r2 += (u[j] - nd[m + 6 + j]) * (u[j] - nd[m + 6 + j])
-            lc -= 0.5 * r2 / delta
-        h[0] = nd[m + 1] * uu[0] + nd[m + 2] * uu[1]
-        h[1] = nd[m + 3] * uu[0] + nd[m + 4] * uu[1]
-        if isfinite(lc):
-            for j in range(2):          # the terms ±u_1 (g is even in u_1)
+            lc = const0 + nd[m] - 0.5 * r2 / delta
+            h[0], h[1] = nd[0], nd[1]
+            for j in range(2):          # g is even in u_1
                 h[0], h[1] = -h[0], -h[1]
                 _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
     _acc_finish(&acc, log_z, mean, second)

@@ -253,6 +253,14 @@ class Channel:
         return Moments(log_z=log_z, g_out=g_out, dg_out=dg_out, error=error)
 
 
+def _one_layer(model, threads):
+    """The one-layer model of ``model``'s last softmax, u ↦ σ_β(u uᵀ) (its reparametrisation
+    gives u_L from y), on the channel's threads."""
+    from .models import DeepAttention
+    return DeepAttention(1, model.tokens, 1, skip=model.skip, beta=model.beta, backend=model.backend,
+                         threads=threads or model._threads or None)
+
+
 def _inverse_logdet(mix):
     """Node columns [Φ⁻¹ (2×2, row-major), log|det Φ|] from mixing-kernel rows [Φ, log|det Φ|]
     (inf where Φ is singular: integrate_polar skips those nodes)."""
@@ -285,9 +293,7 @@ class ReparamChannel(PolarRule, Channel):
             raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
                              "use noise=Δ > 0 for the noisy route")
         super().__init__(model, **options)
-        from .models import DeepAttention
-        self._u_model = DeepAttention(1, model.tokens, 1, skip=model.skip, beta=model.beta,
-                                      backend=model.backend, threads=self.threads or model._threads or None)
+        self._u_model = _one_layer(model, self.threads)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
@@ -310,16 +316,11 @@ class ReparamChannel(PolarRule, Channel):
     def _polar_params(self):
         return self.POLAR | self.POLAR_L3 if self.model.layers == 3 else self.POLAR
 
-    def _polar_samples(self, omega, V):
-        """T = 2, L ∈ {2, 3} samples whose posterior over every earlier layer is broad: the sd of
-        the prior of h_ℓ conditioned on the other layers (the likelihood pins h_L on a plateau
-        of Φ), 1/√(V⁻¹)_ℓℓ, at least POLAR_MIN_SD for every ℓ < L.  Narrower posteriors keep the
-        Laplace-centred Gauss–Hermite rule (the softmax cliffs are then smooth on their scale)."""
-        L = self.model.layers
-        if L not in self.POLAR_SCALE or self.T != 2:
-            return np.zeros(len(omega), dtype=bool)
-        prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)[:, :L - 1]
-        return (1.0 / np.sqrt(prec) >= self.POLAR_MIN_SD).all(axis=1)
+    @property
+    def _polar_applies(self):
+        """T = 2 and L ∈ {2, 3}; the rings are on the earlier layers (the likelihood pins h_L on
+        a plateau of Φ)."""
+        return self.model.layers in self.POLAR_SCALE and self.T == 2
 
     def _polar_layers(self, group, mu, V, scale):
         """The rings of every earlier layer h_ℓ about the origin (amp = (1 + c)^{2(ℓ-1)})."""
@@ -571,13 +572,11 @@ class NoisyChannel(PolarRule, Channel):
         self._jac_kernel = model.kernel("jacobian")
         self._n_node = self._n_data_noise = int(np.prod(model.output_shape)) if model.output_shape else 1
         spec = getattr(model, "spec", None)
-        self._polar_ok = (spec is not None and spec.architecture == "tied" and spec.link == "softmax"
+        self._polar_applies = (spec is not None and spec.architecture == "tied" and spec.link == "softmax"
                           and spec.rank == 1 and model.tokens == 2 and model.layers in self.POLAR_SCALE
                           and self._delta >= self.POLAR_MIN_NOISE[model.layers])
-        if self._polar_ok:
-            from .models import DeepAttention
-            self._u_model = DeepAttention(1, 2, 1, skip=model.skip, beta=model.beta, backend=model.backend,
-                                          threads=self.threads or model._threads or None)
+        if self._polar_applies:         # T = 2 attention, L ≤ 2, Δ ≥ POLAR_MIN_NOISE[L]
+            self._u_model = _one_layer(model, self.threads)
             if model.layers == 2:
                 self._mixing_kernel = model.kernel("mixing")
 
@@ -590,12 +589,6 @@ class NoisyChannel(PolarRule, Channel):
     def _ring_layers(self):
         return self.model.layers
 
-    def _polar_samples(self, omega, V):
-        """T = 2 attention with L ≤ 2 and Δ ≥ POLAR_MIN_NOISE[L], where the prior of every
-        layer given the others is broad (sd 1/√(V⁻¹)_ℓℓ ≥ POLAR_MIN_SD)."""
-        if not self._polar_ok:
-            return np.zeros(len(omega), dtype=bool)
-        return (1.0 / np.sqrt(np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)) >= self.POLAR_MIN_SD).all(axis=1)
 
     def _polar_layers(self, group, mu, V, scale):
         """Rings of h_ℓ (ℓ < L) as the reparametrised route's, and of u_L = Φ h_L from the origin

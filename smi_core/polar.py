@@ -21,8 +21,9 @@ from . import _quadrature
 
 class PolarRule:
     """Shared-node polar rules (mixin).  The channel provides ``model``, ``tol``,
-    ``error_estimate``, ``threads``, ``_spread`` and: ``_ring_layers`` (how many layers have a
-    ring rule: their |ω_ℓ| set the groups), ``_polar_layers(group, mu, V, scale)`` (the rings
+    ``error_estimate``, ``threads``, ``_spread`` and: ``_polar_applies`` (whether the model has
+    a polar rule at all), ``_ring_layers`` (how many layers have a ring rule: their |ω_ℓ| set
+    the groups and their conditional prior sd chooses the rule), ``_polar_layers(group, mu, V, scale)`` (the rings
     of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (node columns after the log
     weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
@@ -32,6 +33,15 @@ class PolarRule:
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
     POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
+
+    def _polar_samples(self, omega, V):
+        """The samples the polar rule takes: where the prior of every ring layer ℓ conditioned on
+        the other layers is broad, 1/√(V⁻¹)_ℓℓ ≥ POLAR_MIN_SD.  Narrower posteriors keep the
+        Laplace-centred Gauss–Hermite rule (the softmax cliffs are then smooth on their scale)."""
+        if not self._polar_applies:
+            return np.zeros(len(omega), dtype=bool)
+        prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)[:, :self._ring_layers]
+        return (1.0 / np.sqrt(prec) >= self.POLAR_MIN_SD).all(axis=1)
 
     def _polar_params(self):
         """The ring parameters (POLAR, with any per-model changes)."""
@@ -55,7 +65,7 @@ class PolarRule:
         return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
 
     def _polar_rings(self, group, mu, var, scale, amp, sharp=1.0, origin=False):
-        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale·sharp
+        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale·sharp^pr
         nodes) on [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (from 0 with
         ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp,
         ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉)
