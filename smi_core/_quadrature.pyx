@@ -33,7 +33,6 @@ from openmp cimport omp_get_max_threads
 
 cdef enum:
     POLAR_MAX_LAYERS = 3     # integrate_polar: T = 2, up to two integrated layers
-    POLAR_TILE = 256         # integrate_polar, L ≥ 2: nodes per tile (its buffer stays in L1)
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
 
@@ -66,60 +65,89 @@ cdef extern from *:
         return p * SMI_EXP2_8[ki & 7] * two_m;
     }
 
-    /* integrate_polar for L = 2, T = 2, one sample over its K shared nodes, in two passes so
-       that the second vectorises: (1) h_2 = Phi^-1 u_2 and the four log weights
-       lw[a][b] = lc - Q(a, b)/2 (terms Z = [(-1)^a x; (-1)^b h], Q their V^-1 quadratic form
-       about omega), kept in buf (6 per node), and their maximum mx; (2) the weights
-       e^(lw - mx) and the moment sums about omega: out = [s0, s1 (4), the upper triangle of s2
-       (10, row by row)], relative to e^mx; returns mx.  Called on tiles of nodes.  Nodes with a non-finite h or lc (det Phi = 0) weigh 0. */
+    /* The polar node loops (integrate_polar, L = 2 and 3, T = 2) for one sample over K of its
+       shared nodes, stored by columns (column j of node k at nodes[j * stride + k]: every
+       loop below reads contiguous memory and vectorises), in two passes: (1) h_L = Phi^-1 u_L
+       and the log weights of the 2^L terms (each earlier layer and u_L reflected or not),
+       kept in the columns of buf (SMI_TILE rows), and their maximum mx; (2) the weights
+       e^(lw - mx) and the moment sums about omega, out = [s0, s1, the upper triangle of s2
+       row by row] relative to e^mx; returns mx.  Nodes with a non-finite h or log constant
+       (det Phi = 0) weigh 0. */
+    #define SMI_TILE 256
+    #define SMI_FINITE(x) (fabs(x) <= 1.7976931348623157e308)
+    #define SMI_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+    /* L = 2: node columns [x (2), log weight, Phi^-1 (row-major), log|det Phi|] at m = 2, and
+       with output noise delta > 0 [h_1 (2), u_2 (2), log weight, Phi^-1, log|det Phi|, g (4)]
+       at m = 4 (u is then the sample's y: lc -= |y - g|^2 / 2 delta, h_2 = Phi^-1 u_2 of the
+       node).  Terms Z = [(-1)^a h_1; (-1)^b h_2]; buf columns h_2 (2), lc, lw[a][b] (4). */
     static double smi_polar2(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0, double delta,
-                             const double* restrict nodes, int width, long K, int m,
+                             const double* restrict nodes, long stride, long K, int m,
                              double* restrict buf, double* restrict out) {
         const double p11 = P[0], p12 = P[1], p22 = P[3];
         const double o0 = om[0], o1 = om[1], o2 = om[2], o3 = om[3];
+        const double* restrict X0 = nodes;
+        const double* restrict X1 = nodes + stride;
+        const double* restrict LW = nodes + m * stride;
+        const double* restrict F00 = LW + stride;
+        const double* restrict F01 = LW + 2 * stride;
+        const double* restrict F10 = LW + 3 * stride;
+        const double* restrict F11 = LW + 4 * stride;
+        const double* restrict LD = LW + 5 * stride;
+        double* restrict H0 = buf;
+        double* restrict H1 = buf + SMI_TILE;
+        double* restrict LC = buf + 2 * SMI_TILE;
+        double* restrict W = buf + 3 * SMI_TILE;
+        if (delta > 0) {
+            const double* restrict U0 = nodes + 2 * stride;
+            const double* restrict U1 = nodes + 3 * stride;
+            const double* restrict G = LW + 6 * stride;
+            const double y0 = u[0], y1 = u[1], y2 = u[2], y3 = u[3], c = 0.5 / delta;
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                double e0 = y0 - G[k], e1 = y1 - G[stride + k], e2 = y2 - G[2 * stride + k], e3 = y3 - G[3 * stride + k];
+                LC[k] = const0 + LW[k] - LD[k] - c * (e0 * e0 + e1 * e1 + e2 * e2 + e3 * e3);
+                H0[k] = F00[k] * U0[k] + F01[k] * U1[k];
+                H1[k] = F10[k] * U0[k] + F11[k] * U1[k];
+            }
+        } else {
+            const double u0 = u[0], u1 = u[1];
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                LC[k] = const0 + LW[k] - LD[k];
+                H0[k] = F00[k] * u0 + F01[k] * u1;
+                H1[k] = F10[k] * u0 + F11[k] * u1;
+            }
+        }
         double mx = -INFINITY;
+        #pragma omp simd reduction(max: mx)
         for (long k = 0; k < K; k++) {
-            const double* nd = nodes + (long) width * k;
-            const double* uu = delta > 0 ? nd + 2 : u;
-            double lc = const0 + nd[m] - nd[m + 5];
-            if (delta > 0) {
-                double r2 = 0.0;
-                for (int j = 0; j < 4; j++) r2 += (u[j] - nd[m + 6 + j]) * (u[j] - nd[m + 6 + j]);
-                lc -= 0.5 * r2 / delta;
-            }
-            double h0 = nd[m + 1] * uu[0] + nd[m + 2] * uu[1], h1 = nd[m + 3] * uu[0] + nd[m + 4] * uu[1];
-            double* b = buf + 6 * k;
-            if (!(isfinite(h0) && isfinite(h1) && isfinite(lc))) {
-                b[0] = b[1] = 0.0;
-                b[2] = b[3] = b[4] = b[5] = -INFINITY;
-                continue;
-            }
-            double x0 = nd[0], x1 = nd[1];
-            double ax[2], bh[2], dx[2][2], dh[2][2];
-            dx[0][0] = x0 - o0; dx[0][1] = x1 - o1; dx[1][0] = -x0 - o0; dx[1][1] = -x1 - o1;
-            dh[0][0] = h0 - o2; dh[0][1] = h1 - o3; dh[1][0] = -h0 - o2; dh[1][1] = -h1 - o3;
-            for (int a = 0; a < 2; a++) {
-                ax[a] = p11 * (dx[a][0] * dx[a][0] + dx[a][1] * dx[a][1]);
-                bh[a] = p22 * (dh[a][0] * dh[a][0] + dh[a][1] * dh[a][1]);
-            }
-            b[0] = h0; b[1] = h1;
-            for (int a = 0; a < 2; a++)
-                for (int c = 0; c < 2; c++) {
-                    double lw = lc - 0.5 * (ax[a] + bh[c]) - p12 * (dx[a][0] * dh[c][0] + dx[a][1] * dh[c][1]);
-                    b[2 + 2 * a + c] = lw;
-                    mx = lw > mx ? lw : mx;
-                }
+            int ok = SMI_FINITE(H0[k]) && SMI_FINITE(H1[k]) && SMI_FINITE(LC[k]);
+            double h0 = ok ? H0[k] : 0.0, h1 = ok ? H1[k] : 0.0, lc = ok ? LC[k] : 0.0;
+            H0[k] = h0; H1[k] = h1;
+            double x0 = X0[k], x1 = X1[k];
+            double ap0 = x0 - o0, ap1 = x1 - o1, am0 = -x0 - o0, am1 = -x1 - o1;
+            double bp0 = h0 - o2, bp1 = h1 - o3, bm0 = -h0 - o2, bm1 = -h1 - o3;
+            double ax0 = p11 * (ap0 * ap0 + ap1 * ap1), ax1 = p11 * (am0 * am0 + am1 * am1);
+            double bh0 = p22 * (bp0 * bp0 + bp1 * bp1), bh1 = p22 * (bm0 * bm0 + bm1 * bm1);
+            double w00 = lc - 0.5 * (ax0 + bh0) - p12 * (ap0 * bp0 + ap1 * bp1);
+            double w01 = lc - 0.5 * (ax0 + bh1) - p12 * (ap0 * bm0 + ap1 * bm1);
+            double w10 = lc - 0.5 * (ax1 + bh0) - p12 * (am0 * bp0 + am1 * bp1);
+            double w11 = lc - 0.5 * (ax1 + bh1) - p12 * (am0 * bm0 + am1 * bm1);
+            w00 = ok ? w00 : -INFINITY; w01 = ok ? w01 : -INFINITY;
+            w10 = ok ? w10 : -INFINITY; w11 = ok ? w11 : -INFINITY;
+            W[k] = w00; W[SMI_TILE + k] = w01; W[2 * SMI_TILE + k] = w10; W[3 * SMI_TILE + k] = w11;
+            double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
+            mx = t > mx ? t : mx;
         }
         double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0;
         double q00 = 0, q01 = 0, q11 = 0, q22 = 0, q23 = 0, q33 = 0, q02 = 0, q03 = 0, q12 = 0, q13 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, q00, q01, q11, q22, q23, q33, q02, q03, q12, q13)
         for (long k = 0; k < K; k++) {
-            const double* nd = nodes + (long) width * k;
-            const double* b = buf + 6 * k;
-            double x0 = nd[0], x1 = nd[1], h0 = b[0], h1 = b[1];
-            double w00 = smi_exp_neg(b[2] - mx), w01 = smi_exp_neg(b[3] - mx);
-            double w10 = smi_exp_neg(b[4] - mx), w11 = smi_exp_neg(b[5] - mx);
+            double x0 = X0[k], x1 = X1[k], h0 = H0[k], h1 = H1[k];
+            double w00 = smi_exp_neg(W[k] - mx), w01 = smi_exp_neg(W[SMI_TILE + k] - mx);
+            double w10 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w11 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
             double wxp = w00 + w01, wxm = w10 + w11, whp = w00 + w10, whm = w01 + w11;
             double ap0 = x0 - o0, ap1 = x1 - o1, am0 = -x0 - o0, am1 = -x1 - o1;
             double bp0 = h0 - o2, bp1 = h1 - o3, bm0 = -h0 - o2, bm1 = -h1 - o3;
@@ -142,70 +170,78 @@ cdef extern from *:
         return mx;
     }
 
-    /* integrate_polar for route 0, L = 3, T = 2 (nodes [x = (h_1, h_2), log weight, Phi^-1,
-       log|det Phi|]): as smi_polar2 with the eight terms Z = [s_1 h_1; s_2 h_2; s_3 h_3] (buf:
-       14 per node: Z and the log weights); the moment sums need only the weight of each layer's sign and of each
-       pair of layers' signs.  out = [s0, s1 (6), the upper triangle of s2 (21)]. */
+    /* L = 3, route 0: node columns [x = (h_1, h_2) (4), log weight, Phi^-1 (row-major),
+       log|det Phi|]; the eight terms Z = [s_1 h_1; s_2 h_2; s_3 h_3]; buf columns h_3 (2) and
+       the log weights (8, term p: layer signs p & 1, p >> 1 & 1, p >> 2).  The moment sums
+       need only the weight of each layer's sign and of each pair of layers' signs.
+       out = [s0, s1 (6), the upper triangle of s2 (21)]. */
     static double smi_polar3(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0,
-                             const double* restrict nodes, int width, long K,
+                             const double* restrict nodes, long stride, long K,
                              double* restrict buf, double* restrict out) {
+        const double u0 = u[0], u1 = u[1];
+        const double* restrict LW = nodes + 4 * stride;
+        const double* restrict F00 = nodes + 5 * stride;
+        const double* restrict F01 = nodes + 6 * stride;
+        const double* restrict F10 = nodes + 7 * stride;
+        const double* restrict F11 = nodes + 8 * stride;
+        const double* restrict LD = nodes + 9 * stride;
+        double* restrict Z4 = buf;
+        double* restrict Z5 = buf + SMI_TILE;
+        double* restrict W = buf + 2 * SMI_TILE;
+        const double om0 = om[0], om1 = om[1], om2 = om[2], om3 = om[3], om4 = om[4], om5 = om[5];
+        const double p00 = P[0], p11 = P[4], p22 = P[8];
+        const double c01 = 2.0 * P[1], c02 = 2.0 * P[2], c12 = 2.0 * P[5];
         double mx = -INFINITY;
         #pragma omp simd reduction(max: mx)
         for (long k = 0; k < K; k++) {
-            const double* nd = nodes + (long) width * k;
-            double lc = const0 + nd[4] - nd[9];
-            double h0 = nd[5] * u[0] + nd[6] * u[1], h1 = nd[7] * u[0] + nd[8] * u[1];
-            int ok = isfinite(h0) && isfinite(h1) && isfinite(lc);   /* else the node weighs 0 */
-            double* b = buf + 14 * k;
-            double z[3][2] = {{nd[0], nd[1]}, {nd[2], nd[3]}, {ok ? h0 : 0.0, ok ? h1 : 0.0}};
-            double d[3][2][2], sq[3][2], cr[3][2][2];            /* cr: pairs (0,1), (0,2), (1,2) */
-            #pragma GCC unroll 8
-            for (int a = 0; a < 3; a++)
-                #pragma GCC unroll 8
-                for (int t = 0; t < 2; t++) {
-                    d[a][0][t] = z[a][t] - om[2 * a + t];
-                    d[a][1][t] = -z[a][t] - om[2 * a + t];
-                }
-            #pragma GCC unroll 8
-            for (int a = 0; a < 3; a++)
-                #pragma GCC unroll 8
-                for (int s = 0; s < 2; s++)
-                    sq[a][s] = P[4 * a] * (d[a][s][0] * d[a][s][0] + d[a][s][1] * d[a][s][1]);
-            #pragma GCC unroll 8
-            for (int c = 0; c < 3; c++) {
-                int a = c == 2 ? 1 : 0, e = c == 0 ? 1 : 2;
-                #pragma GCC unroll 8
-                for (int s = 0; s < 2; s++)
-                    #pragma GCC unroll 8
-                    for (int r = 0; r < 2; r++)
-                        cr[c][s][r] = 2.0 * P[3 * a + e] * (d[a][s][0] * d[e][r][0] + d[a][s][1] * d[e][r][1]);
-            }
-            #pragma GCC unroll 8
-            for (int a = 0; a < 6; a++) b[a] = z[a >> 1][a & 1];
-            #pragma GCC unroll 8
-            for (int p = 0; p < 8; p++) {
-                int s1 = p & 1, s2 = (p >> 1) & 1, s3 = p >> 2;
-                double lw = lc - 0.5 * (sq[0][s1] + sq[1][s2] + sq[2][s3]
-                                        + cr[0][s1][s2] + cr[1][s1][s3] + cr[2][s2][s3]);
-                lw = ok ? lw : -INFINITY;
-                b[6 + p] = lw;
-                mx = lw > mx ? lw : mx;
-            }
+            double lc = const0 + LW[k] - LD[k];
+            double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
+            int ok = SMI_FINITE(h0) & SMI_FINITE(h1) & SMI_FINITE(lc);   /* else the node weighs 0 */
+            h0 = ok ? h0 : 0.0; h1 = ok ? h1 : 0.0; lc = ok ? lc : -INFINITY;
+            Z4[k] = h0; Z5[k] = h1;
+            /* d{layer}{sign}{token} = ±Z - ω */
+            double x0 = nodes[k], x1 = nodes[stride + k], x2 = nodes[2 * stride + k], x3 = nodes[3 * stride + k];
+            double d000 = x0 - om0, d010 = -x0 - om0, d001 = x1 - om1, d011 = -x1 - om1;
+            double d100 = x2 - om2, d110 = -x2 - om2, d101 = x3 - om3, d111 = -x3 - om3;
+            double d200 = h0 - om4, d210 = -h0 - om4, d201 = h1 - om5, d211 = -h1 - om5;
+            /* the quadratic form of term (s1, s2, s3): per layer and per pair of layers */
+            double a0 = p00 * (d000 * d000 + d001 * d001), a1 = p00 * (d010 * d010 + d011 * d011);
+            double b0 = p11 * (d100 * d100 + d101 * d101), b1 = p11 * (d110 * d110 + d111 * d111);
+            double e0 = p22 * (d200 * d200 + d201 * d201), e1 = p22 * (d210 * d210 + d211 * d211);
+            double ab00 = c01 * (d000 * d100 + d001 * d101), ab01 = c01 * (d000 * d110 + d001 * d111);
+            double ab10 = c01 * (d010 * d100 + d011 * d101), ab11 = c01 * (d010 * d110 + d011 * d111);
+            double ae00 = c02 * (d000 * d200 + d001 * d201), ae01 = c02 * (d000 * d210 + d001 * d211);
+            double ae10 = c02 * (d010 * d200 + d011 * d201), ae11 = c02 * (d010 * d210 + d011 * d211);
+            double be00 = c12 * (d100 * d200 + d101 * d201), be01 = c12 * (d100 * d210 + d101 * d211);
+            double be10 = c12 * (d110 * d200 + d111 * d201), be11 = c12 * (d110 * d210 + d111 * d211);
+            double w0 = lc - 0.5 * (a0 + b0 + e0 + ab00 + ae00 + be00);
+            double w1 = lc - 0.5 * (a1 + b0 + e0 + ab10 + ae10 + be00);
+            double w2 = lc - 0.5 * (a0 + b1 + e0 + ab01 + ae00 + be10);
+            double w3 = lc - 0.5 * (a1 + b1 + e0 + ab11 + ae10 + be10);
+            double w4 = lc - 0.5 * (a0 + b0 + e1 + ab00 + ae01 + be01);
+            double w5 = lc - 0.5 * (a1 + b0 + e1 + ab10 + ae11 + be01);
+            double w6 = lc - 0.5 * (a0 + b1 + e1 + ab01 + ae01 + be11);
+            double w7 = lc - 0.5 * (a1 + b1 + e1 + ab11 + ae11 + be11);
+            W[k] = w0; W[SMI_TILE + k] = w1; W[2 * SMI_TILE + k] = w2; W[3 * SMI_TILE + k] = w3;
+            W[4 * SMI_TILE + k] = w4; W[5 * SMI_TILE + k] = w5; W[6 * SMI_TILE + k] = w6; W[7 * SMI_TILE + k] = w7;
+            double t = SMI_MAX(SMI_MAX(SMI_MAX(w0, w1), SMI_MAX(w2, w3)), SMI_MAX(SMI_MAX(w4, w5), SMI_MAX(w6, w7)));
+            mx = t > mx ? t : mx;
         }
         double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0, q00 = 0, q01 = 0, q02 = 0, q03 = 0, q04 = 0, q05 = 0, q11 = 0, q12 = 0, q13 = 0, q14 = 0, q15 = 0, q22 = 0, q23 = 0, q24 = 0, q25 = 0, q33 = 0, q34 = 0, q35 = 0, q44 = 0, q45 = 0, q55 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55)
         for (long k = 0; k < K; k++) {
-            const double* b = buf + 14 * k;          /* [Z (6), log weights (8)] */
-            /* d{layer}{sign}{token} = ±Z - ω;  w{p}: term p, layer signs (p & 1, p >> 1 & 1, p >> 2) */
-            double d000 = b[0] - om[0], d010 = -b[0] - om[0];
-            double d001 = b[1] - om[1], d011 = -b[1] - om[1];
-            double d100 = b[2] - om[2], d110 = -b[2] - om[2];
-            double d101 = b[3] - om[3], d111 = -b[3] - om[3];
-            double d200 = b[4] - om[4], d210 = -b[4] - om[4];
-            double d201 = b[5] - om[5], d211 = -b[5] - om[5];
-            double w0 = smi_exp_neg(b[6] - mx); double w1 = smi_exp_neg(b[7] - mx); double w2 = smi_exp_neg(b[8] - mx); double w3 = smi_exp_neg(b[9] - mx);
-            double w4 = smi_exp_neg(b[10] - mx); double w5 = smi_exp_neg(b[11] - mx); double w6 = smi_exp_neg(b[12] - mx); double w7 = smi_exp_neg(b[13] - mx);
+            /* d{layer}{sign}{token} = ±Z - ω;  w{p}: term p */
+            double d000 = nodes[k] - om0, d010 = -nodes[k] - om0;
+            double d001 = nodes[stride + k] - om1, d011 = -nodes[stride + k] - om1;
+            double d100 = nodes[2 * stride + k] - om2, d110 = -nodes[2 * stride + k] - om2;
+            double d101 = nodes[3 * stride + k] - om3, d111 = -nodes[3 * stride + k] - om3;
+            double d200 = Z4[k] - om4, d210 = -Z4[k] - om4;
+            double d201 = Z5[k] - om5, d211 = -Z5[k] - om5;
+            double w0 = smi_exp_neg(W[k] - mx), w1 = smi_exp_neg(W[SMI_TILE + k] - mx);
+            double w2 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w3 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
+            double w4 = smi_exp_neg(W[4 * SMI_TILE + k] - mx), w5 = smi_exp_neg(W[5 * SMI_TILE + k] - mx);
+            double w6 = smi_exp_neg(W[6 * SMI_TILE + k] - mx), w7 = smi_exp_neg(W[7 * SMI_TILE + k] - mx);
             double W00 = w0 + w2 + w4 + w6;
             double W01 = w1 + w3 + w5 + w7;
             double W10 = w0 + w1 + w4 + w5;
@@ -259,10 +295,11 @@ cdef extern from *:
     }
     """
     double smi_exp_neg(double x) noexcept nogil
+    int SMI_TILE             # integrate_polar, L ≥ 2: nodes per tile (its buffers stay in L1)
     double smi_polar3(const double* u, const double* om, const double* P, double const0,
-                      const double* nodes, int width, long K, double* buf, double* out) noexcept nogil
+                      const double* nodes, long stride, long K, double* buf, double* out) noexcept nogil
     double smi_polar2(const double* u, const double* om, const double* P, double const0, double delta,
-                      const double* nodes, int width, long K, int m, double* buf, double* out) noexcept nogil
+                      const double* nodes, long stride, long K, int m, double* buf, double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -529,8 +566,9 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const long[::1] start, const long[::1] stop, const double[:, ::1] nodes,
                     double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                     int threads=0, double delta=0.0):
-    """T = 2 polar rules on nodes shared by groups of samples: sample i uses rows
-    start[i]:stop[i] of ``nodes`` (computed once per node for the whole group) and its own ω, V⁻¹.
+    """T = 2 polar rules on nodes shared by groups of samples: sample i uses nodes
+    start[i]:stop[i] (computed once per node for the whole group) and its own ω, V⁻¹.  ``nodes``
+    holds one node per column (width × count: the node loops read contiguous rows).
 
     - Route 0 (``delta`` = 0; L = 2 or 3): x = h_{<L} ∈ R^{2(L-1)}, rows [x, log weight, Φ⁻¹
       (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x)); h_L = Φ⁻¹u_L with the sample's u_L (row i
@@ -546,28 +584,27 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not ((2 <= L <= POLAR_MAX_LAYERS and nodes.shape[1] == 2 * L + 4 and not noisy)
-            or (1 <= L <= 2 and nodes.shape[1] == 2 * L + 10 and noisy and u.shape[1] == 4)):
-        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and rows of 2L + 4 values "
-                         f"(route 0), or 1 ≤ L ≤ 2, rows of 2L + 10 values and 4 outputs (route 1)")
+    if not ((2 <= L <= POLAR_MAX_LAYERS and nodes.shape[0] == 2 * L + 4 and not noisy)
+            or (1 <= L <= 2 and nodes.shape[0] == 2 * L + 10 and noisy and u.shape[1] == 4)):
+        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
+                         f"(route 0), or 1 ≤ L ≤ 2, nodes of 2L + 10 values and 4 outputs (route 1)")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta,
-                          &nodes[start[i], 0], nodes.shape[1], stop[i] - start[i],
+                          &nodes[0, start[i]], nodes.shape[1], stop[i] - start[i],
                           &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        int L, double delta, const double* nodes, int width, Py_ssize_t K,
+                        int L, double delta, const double* nodes, Py_ssize_t stride, Py_ssize_t K,
                         double* log_z, double* mean, double* second) noexcept nogil:
-    """One sample of ``integrate_polar``: L ≥ 2 by tiles of POLAR_TILE nodes (``smi_polar2``,
-    ``smi_polar3``: two passes each, the tiles' sums merged at their maxima); L = 1 (route 1)
-    node by node with a running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log
-    constant and the two terms ±h_1)."""
+    """One sample of ``integrate_polar`` (node k's value j at nodes[j·stride + k]): L ≥ 2 by
+    tiles of SMI_TILE nodes (``smi_polar2``, ``smi_polar3``: two passes each, the tiles' sums
+    merged at their maxima); L = 1 (route 1) node by node with a running maximum (``_add``;
+    per node h_1 = u_1 — Φ = I — the log constant and the two terms ±h_1)."""
     cdef Acc acc
     cdef Py_ssize_t k
-    cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's column
-    cdef const double* nd
+    cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's row
     cdef double h[2]
     cdef double lc, r2, top
     cdef double* buf
@@ -578,26 +615,25 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
         const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
     if L >= 2:                          # by tiles, two passes each (smi_polar2, 3: vectorised)
-        buf = <double*> malloc((14 * POLAR_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
-        part = buf + 14 * POLAR_TILE
+        buf = <double*> malloc((10 * SMI_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
+        part = buf + 10 * SMI_TILE
         k = 0
         while k < K:
-            cnt = min(POLAR_TILE, K - k)
+            cnt = min(SMI_TILE, K - k)
             if L == 2:
-                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + width * k, width, cnt, m, buf, part)
+                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + k, stride, cnt, m, buf, part)
             else:
-                top = smi_polar3(u, omega, Vinv, const0, nodes + width * k, width, cnt, buf, part)
+                top = smi_polar3(u, omega, Vinv, const0, nodes + k, stride, cnt, buf, part)
             _add_sums(&acc, top, part)
             k += cnt
         free(buf)
     else:                               # L = 1 (route 1): h_1 = u_1, the terms ±u_1
         for k in range(K):
-            nd = nodes + width * k
             r2 = 0.0
             for j in range(4):
-                r2 += (u[j] - nd[m + 6 + j]) * (u[j] - nd[m + 6 + j])
-            lc = const0 + nd[m] - 0.5 * r2 / delta
-            h[0], h[1] = nd[0], nd[1]
+                r2 += (u[j] - nodes[(m + 6 + j) * stride + k]) ** 2
+            lc = const0 + nodes[m * stride + k] - 0.5 * r2 / delta
+            h[0], h[1] = nodes[k], nodes[stride + k]
             for j in range(2):          # g is even in u_1
                 h[0], h[1] = -h[0], -h[1]
                 _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)

@@ -107,7 +107,7 @@ class PolarRule:
     def _polar_nodes(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product of the ring layers'
         rules (``_polar_layers``), as rows [x, log weight, ``_polar_data(x)``], and each
-        sample's row range.  Like each layer's radial range, the product leaves out the nodes
+        sample's range of nodes (one node per column of ``nodes``).  Like each layer's radial range, the product leaves out the nodes
         where the prior is below e^{-reach²/2} (Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ > reach²: a ball instead of
         a box)."""
         group, mu = self._polar_groups(omega, V)
@@ -125,7 +125,7 @@ class PolarRule:
             lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
             counts[g] = len(lws[-1])
         x, log_w = np.concatenate(xs), np.concatenate(lws)
-        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], self._polar_data(x)], axis=1))
+        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], self._polar_data(x)], axis=1).T)
         stop = np.cumsum(counts)
         return nodes, np.ascontiguousarray((stop - counts)[group]), np.ascontiguousarray(stop[group])
 
