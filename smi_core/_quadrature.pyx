@@ -563,12 +563,13 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
 
 def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const double[:, :, ::1] Vinv, const double[::1] logdetV,
-                    const long[::1] start, const long[::1] stop, const double[:, ::1] nodes,
-                    double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
-                    int threads=0, double delta=0.0):
-    """T = 2 polar rules on nodes shared by groups of samples: sample i uses nodes
-    start[i]:stop[i] (computed once per node for the whole group) and its own ω, V⁻¹.  ``nodes``
-    holds one node per column (width × count: the node loops read contiguous rows).
+                    const long[::1] seg_ptr, const long[::1] seg_start, const long[::1] seg_stop,
+                    const double[:, ::1] nodes, double[::1] log_z, double[:, ::1] mean,
+                    double[:, :, ::1] second, int threads=0, double delta=0.0):
+    """T = 2 polar rules on nodes shared by groups of samples: sample i runs over the node
+    ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1] (the nodes' data computed
+    once for the whole group), with its own ω, V⁻¹.  ``nodes`` holds one node per column
+    (width × count: the node loops read contiguous rows).
 
     - Route 0 (``delta`` = 0; L = 2 or 3): x = h_{<L} ∈ R^{2(L-1)}, rows [x, log weight, Φ⁻¹
       (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x)); h_L = Φ⁻¹u_L with the sample's u_L (row i
@@ -584,59 +585,65 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
         threads = omp_get_max_threads()
+    if seg_ptr.shape[0] != n + 1 or seg_start.shape[0] != seg_stop.shape[0] or seg_ptr[n] > seg_start.shape[0]:
+        raise ValueError("integrate_polar needs seg_ptr of n + 1 offsets into seg_start and seg_stop")
     if not ((2 <= L <= POLAR_MAX_LAYERS and nodes.shape[0] == 2 * L + 4 and not noisy)
             or (1 <= L <= 2 and nodes.shape[0] == 2 * L + 10 and noisy and u.shape[1] == 4)):
         raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
                          f"(route 0), or 1 ≤ L ≤ 2, nodes of 2L + 10 values and 4 outputs (route 1)")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta,
-                          &nodes[0, start[i]], nodes.shape[1], stop[i] - start[i],
-                          &log_z[i], &mean[i, 0], &second[i, 0, 0])
+            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta, &nodes[0, 0],
+                          nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
+                          seg_ptr[i + 1] - seg_ptr[i], &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        int L, double delta, const double* nodes, Py_ssize_t stride, Py_ssize_t K,
+                        int L, double delta, const double* nodes, Py_ssize_t stride,
+                        const long* seg_start, const long* seg_stop, Py_ssize_t n_seg,
                         double* log_z, double* mean, double* second) noexcept nogil:
-    """One sample of ``integrate_polar`` (node k's value j at nodes[j·stride + k]): L ≥ 2 by
-    tiles of SMI_TILE nodes (``smi_polar2``, ``smi_polar3``: two passes each, the tiles' sums
-    merged at their maxima); L = 1 (route 1) node by node with a running maximum (``_add``;
-    per node h_1 = u_1 — Φ = I — the log constant and the two terms ±h_1)."""
+    """One sample of ``integrate_polar`` (node k's value j at nodes[j·stride + k]) over its
+    segments: L ≥ 2 by tiles of at most SMI_TILE nodes (``smi_polar2``, ``smi_polar3``: two
+    passes each, the tiles' sums merged at their maxima); L = 1 (route 1) node by node with a
+    running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log constant and the two
+    terms ±h_1)."""
     cdef Acc acc
-    cdef Py_ssize_t k
+    cdef Py_ssize_t k, s, end
     cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's row
     cdef double h[2]
     cdef double lc, r2, top
-    cdef double* buf
+    cdef double* buf = NULL
     cdef double* part
     cdef Py_ssize_t cnt
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
-    if L >= 2:                          # by tiles, two passes each (smi_polar2, 3: vectorised)
+    if L >= 2:
         buf = <double*> malloc((10 * SMI_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
         part = buf + 10 * SMI_TILE
-        k = 0
-        while k < K:
-            cnt = min(SMI_TILE, K - k)
-            if L == 2:
-                top = smi_polar2(u, omega, Vinv, const0, delta, nodes + k, stride, cnt, m, buf, part)
-            else:
-                top = smi_polar3(u, omega, Vinv, const0, nodes + k, stride, cnt, buf, part)
-            _add_sums(&acc, top, part)
-            k += cnt
-        free(buf)
-    else:                               # L = 1 (route 1): h_1 = u_1, the terms ±u_1
-        for k in range(K):
-            r2 = 0.0
-            for j in range(4):
-                r2 += (u[j] - nodes[(m + 6 + j) * stride + k]) ** 2
-            lc = const0 + nodes[m * stride + k] - 0.5 * r2 / delta
-            h[0], h[1] = nodes[k], nodes[stride + k]
-            for j in range(2):          # g is even in u_1
-                h[0], h[1] = -h[0], -h[1]
-                _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
+    for s in range(n_seg):
+        k, end = seg_start[s], seg_stop[s]
+        if L >= 2:                      # by tiles, two passes each (smi_polar2, 3: vectorised)
+            while k < end:
+                cnt = min(SMI_TILE, end - k)
+                if L == 2:
+                    top = smi_polar2(u, omega, Vinv, const0, delta, nodes + k, stride, cnt, m, buf, part)
+                else:
+                    top = smi_polar3(u, omega, Vinv, const0, nodes + k, stride, cnt, buf, part)
+                _add_sums(&acc, top, part)
+                k += cnt
+        else:                           # L = 1 (route 1): h_1 = u_1, the terms ±u_1
+            for k in range(k, end):
+                r2 = 0.0
+                for j in range(4):
+                    r2 += (u[j] - nodes[(m + 6 + j) * stride + k]) ** 2
+                lc = const0 + nodes[m * stride + k] - 0.5 * r2 / delta
+                h[0], h[1] = nodes[k], nodes[stride + k]
+                for j in range(2):      # g is even in u_1
+                    h[0], h[1] = -h[0], -h[1]
+                    _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
+    free(buf)
     _acc_finish(&acc, log_z, mean, second)
 
 

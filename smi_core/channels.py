@@ -262,13 +262,16 @@ def _one_layer(model, threads):
 
 
 def _inverse_logdet(mix):
-    """Node columns [Φ⁻¹ (2×2, row-major), log|det Φ|] from mixing-kernel rows [Φ, log|det Φ|]
+    """Node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] (5, n) from mixing-kernel rows [Φ, log|det Φ|]
     (inf where Φ is singular: integrate_polar skips those nodes)."""
-    phi, logdet = mix[:, :4].reshape(-1, 2, 2), mix[:, 4]
-    det = phi[:, 0, 0] * phi[:, 1, 1] - phi[:, 0, 1] * phi[:, 1, 0]
+    phi = mix.T
+    out = np.empty((5, len(mix)))
+    det = phi[0] * phi[3] - phi[1] * phi[2]
     with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.stack([phi[:, 1, 1], -phi[:, 0, 1], -phi[:, 1, 0], phi[:, 0, 0]], 1) / det[:, None]
-    return np.concatenate([inv, logdet[:, None]], axis=1)
+        for row, (col, sign) in enumerate(((3, 1), (1, -1), (2, -1), (0, 1))):
+            np.divide(phi[col] if sign > 0 else -phi[col], det, out=out[row])
+    out[4] = phi[4]
+    return out
 
 
 def _combine(runs):
@@ -328,7 +331,7 @@ class ReparamChannel(PolarRule, Channel):
                 for l in range(self.model.layers - 1)]
 
     def _polar_data(self, x):
-        """[Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x), by the generated mixing kernel."""
+        """Rows [Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x), by the generated mixing kernel."""
         return _inverse_logdet(self._mixing_kernel(x, self.model.params))
 
     def _polar_input(self, y):
@@ -601,14 +604,14 @@ class NoisyChannel(PolarRule, Channel):
                                           sharp=sharp, origin=L > 1)]
 
     def _polar_data(self, x):
-        """[Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ)."""
+        """Rows [Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ)."""
         L = self.model.layers
         u = x[:, 2 * (L - 1):]
         if L == 1:
-            inv = np.tile([1.0, 0.0, 0.0, 1.0, 0.0], (len(x), 1))
+            inv = np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x)))
         else:
             inv = _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x[:, :2]), self.model.params))
-        return np.concatenate([inv, self._u_model.forward(u[:, None, :]).reshape(len(x), 4)], axis=1)
+        return np.concatenate([inv, self._u_model.forward(u[:, None, :]).reshape(len(x), 4).T])
 
     def _polar_input(self, y):
         return y

@@ -14,9 +14,26 @@ sample-independent data (Φ⁻¹, log|det Φ|, …) is computed once for the who
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import _quadrature
+
+
+class Rings(NamedTuple):
+    """One layer's polar rule for every group (``PolarRule._polar_rings``): the nodes ``x``
+    (M, 2) and ``log_w``, ring after ring (groups in order, radii increasing); per group the
+    ring radii, their angle counts and d(r)²/V_ℓℓ to the group's range of |ω_ℓ| (G × rings);
+    per sample the |ω_ℓ| and V_ℓℓ the rings were built for; rings from the origin or not."""
+    x: np.ndarray
+    log_w: np.ndarray
+    radius: np.ndarray
+    count: np.ndarray
+    far: np.ndarray
+    mu: np.ndarray
+    var: np.ndarray
+    origin: bool
 
 
 class PolarRule:
@@ -24,7 +41,7 @@ class PolarRule:
     ``error_estimate``, ``threads``, ``_spread`` and: ``_polar_applies`` (whether the model has
     a polar rule at all), ``_ring_layers`` (how many layers have a ring rule: their |ω_ℓ| set
     the groups and their conditional prior sd chooses the rule), ``_polar_layers(group, mu, V, scale)`` (the rings
-    of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (node columns after the log
+    of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (the node rows after the log
     weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
@@ -32,6 +49,7 @@ class PolarRule:
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
+    POLAR_NODE_CHUNK = 1 << 15          # nodes set up at a time (the temporaries stay in cache)
     POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
 
     def _polar_samples(self, omega, V):
@@ -57,7 +75,7 @@ class PolarRule:
         (n, _ring_layers)."""
         n, count = len(omega), self._ring_layers
         mu = np.linalg.norm(omega[:, :count], axis=2)
-        cell = np.floor(mu / (self.POLAR["bin"] * np.sqrt(np.diagonal(V, axis1=1, axis2=2)[:, :count])))
+        cell = np.floor(mu / (self._polar_params()["bin"] * np.sqrt(np.diagonal(V, axis1=1, axis2=2)[:, :count])))
         if (V == V[0]).all():                   # one V (state evolution, GAMP): by cells only
             key = np.ravel_multi_index(cell.T.astype(np.int64), tuple(cell.max(axis=0).astype(np.int64) + 1))
             return np.unique(key, return_inverse=True)[1].ravel(), mu     # (1-D: 10× faster than rows)
@@ -74,8 +92,7 @@ class PolarRule:
         with κ = max |ω_ℓ|/V_ℓℓ, the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
         (a trapezoid rule needs ∝ k points for small k, ∝ √k for large); d(r) the distance of r
         to the group's |ω_ℓ| (fewer angles where the prior is small: the trapezoid error is
-        relative to the ring's mass).  Returns the nodes (M, 2), their log weights, their group
-        (sorted) and d(r)²/V_ℓℓ."""
+        relative to the ring's mass).  ``mu``, ``var``: each sample's |ω_ℓ| and V_ℓℓ."""
         p = self._polar_params()
         G = group.max() + 1
         lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
@@ -94,40 +111,81 @@ class PolarRule:
         kr = (hi / v)[:, None] * r                   # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
         count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * sharp * self.model.beta * r ** 2
                                             + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
-        count = np.where(r > 0, np.clip(count, 2, int(p["cap"] * scale * sharp)), 0).astype(np.int64).ravel()
-        ring = np.repeat(np.arange(count.size), count)
-        k = np.arange(ring.size) - np.repeat(np.cumsum(count) - count, count)
-        N = count[ring]
+        count = np.clip(count, 2, int(p["cap"] * scale * sharp)).astype(np.int64)
+        flat = count.ravel()
+        ring = np.repeat(np.arange(flat.size), flat)
+        k = np.arange(ring.size) - np.repeat(np.cumsum(flat) - flat, flat)
+        N = flat[ring]
         theta = (k + 0.5) * np.pi / N
         radius = r.ravel()[ring]
         x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
         log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
-        return x, log_w, ring // r.shape[1], (dist ** 2 / v[:, None]).ravel()[ring]
+        return Rings(x, log_w, r, count, dist ** 2 / v[:, None], mu, var, origin)
 
     def _polar_nodes(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product of the ring layers'
-        rules (``_polar_layers``), as rows [x, log weight, ``_polar_data(x)``], and each
-        sample's range of nodes (one node per column of ``nodes``).  Like each layer's radial range, the product leaves out the nodes
-        where the prior is below e^{-reach²/2} (Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ > reach²: a ball instead of
-        a box)."""
+        rules (``_polar_layers``), one node per column [x, log weight, ``_polar_data(x)``], by
+        blocks (one per tuple of rings, the last layer's ring fastest), and each sample's
+        segments of it.  Like each layer's radial range, the product leaves out the nodes where
+        the prior is below e^{-reach²/2}: a group keeps the blocks with Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ ≤
+        reach² (d_ℓ the distance to the group's range of |ω_ℓ|: a ball, not a box), and each
+        sample runs over those within its own ball (d_ℓ the distance to its |ω_ℓ|, or to
+        [0, |ω_ℓ|] for rings from the origin), which for each tuple of the earlier layers' rings
+        is a contiguous range of the last layer's.  Returns (nodes, seg_ptr, seg_start, seg_stop):
+        sample i runs over the node ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1]."""
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
         layers = self._polar_layers(group, mu, V, scale)
-        xs, lws, counts = [], [], np.zeros(G, dtype=np.int64)
-        bounds = [np.searchsorted(own, np.arange(G + 1)) for _, _, own, _ in layers]   # own is sorted
-        for g in range(G):                          # product of the layers' rules, group by group
-            parts = [(x[e[g]:e[g + 1]], lw[e[g]:e[g + 1]], far[e[g]:e[g + 1]])
-                     for (x, lw, _, far), e in zip(layers, bounds)]
-            grids = [i.ravel() for i in np.meshgrid(*[np.arange(len(p[1])) for p in parts], indexing="ij")]
-            keep = sum(far[i] for (_, _, far), i in zip(parts, grids)) <= self._polar_params()["reach"] ** 2
-            grids = [i[keep] for i in grids]
-            xs.append(np.concatenate([x[i] for (x, _, _), i in zip(parts, grids)], axis=1))
-            lws.append(sum(lw[i] for (_, lw, _), i in zip(parts, grids)))
-            counts[g] = len(lws[-1])
-        x, log_w = np.concatenate(xs), np.concatenate(lws)
-        nodes = np.ascontiguousarray(np.concatenate([x, log_w[:, None], self._polar_data(x)], axis=1).T)
-        stop = np.cumsum(counts)
-        return nodes, np.ascontiguousarray((stop - counts)[group]), np.ascontiguousarray(stop[group])
+        reach2 = self._polar_params()["reach"] ** 2
+        shape = tuple(rl.count.shape[1] for rl in layers)
+        size, far, own = np.ones((G,) + (1,) * len(layers), dtype=np.int64), 0.0, 0.0
+        for l, rl in enumerate(layers):         # block sizes and distances, by broadcasting
+            axis = (slice(None),) + tuple(slice(None) if j == l else None for j in range(len(layers)))
+            size = size * rl.count[axis]
+            far = far + rl.far[axis]
+            own = own + self._sample_far(rl, group)[axis]
+        size = np.where(far <= reach2, size, 0).reshape(-1)              # (G · Π shape) blocks
+        bound = np.concatenate([[0], np.cumsum(size)])
+        blocks = np.flatnonzero(size)
+        chunk = bound[blocks] // self.POLAR_NODE_CHUNK          # cache-sized pieces of the product
+        nodes = None
+        for part in np.split(blocks, np.flatnonzero(np.diff(chunk)) + 1):
+            rows = self._product(layers, part, size[part], (G,) + shape)
+            if nodes is None:
+                nodes = np.empty((len(rows), bound[-1]))
+            nodes[:, bound[part[0]]:bound[part[-1] + 1]] = rows
+        inside = (own <= reach2).reshape(len(group), -1, shape[-1])        # (n, earlier tuples, last)
+        has = inside.any(axis=2)
+        first = inside.argmax(axis=2)
+        last = shape[-1] - inside[:, :, ::-1].argmax(axis=2)
+        row = (group[:, None] * inside.shape[1] + np.arange(inside.shape[1])) * shape[-1]
+        seg_ptr = np.concatenate([[0], np.cumsum(has.sum(axis=1))])
+        return nodes, seg_ptr, bound[(row + first)[has]], bound[(row + last)[has]]
+
+    def _product(self, layers, blocks, size, shape):
+        """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
+        layer...), ``size`` nodes each), as rows [x, log weight, ``_polar_data(x)``]."""
+        k = np.arange(size.sum()) - np.repeat(np.cumsum(size) - size, size)   # position in its block
+        tuples = np.unravel_index(np.repeat(blocks, size), shape)
+        idx = []
+        for rl, ring in zip(reversed(layers), reversed(tuples[1:])):       # last layer fastest
+            flat = rl.count.ravel()
+            ring = tuples[0] * rl.count.shape[1] + ring
+            idx.append(np.cumsum(flat)[ring] - flat[ring] + k % flat[ring])
+            k = k // flat[ring]
+        idx.reverse()
+        x = np.concatenate([rl.x[i] for rl, i in zip(layers, idx)], axis=1)
+        log_w = sum(rl.log_w[i] for rl, i in zip(layers, idx))
+        return np.concatenate([x.T, log_w[None], self._polar_data(x)])
+
+    @staticmethod
+    def _sample_far(rings, group):
+        """d(r)²/V_ℓℓ of every sample's group's rings, d the distance to the sample's |ω_ℓ| (to
+        [0, |ω_ℓ|] for rings from the origin)."""
+        r = rings.radius[group]
+        lo = np.zeros_like(rings.mu) if rings.origin else rings.mu
+        d = np.maximum(0.0, np.maximum(lo[:, None] - r, r - rings.mu[:, None]))
+        return d ** 2 / rings.var[:, None]
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
@@ -138,10 +196,10 @@ class PolarRule:
         chunk = self.POLAR_CHUNK[2 * self._ring_layers]
         for first in range(0, group.max() + 1, chunk):
             idx = np.flatnonzero((group >= first) & (group < first + chunk))
-            nodes, start, stop = self._polar_nodes(omega[idx], V[idx], scale)
+            nodes, *segments = self._polar_nodes(omega[idx], V[idx], scale)
             out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
             _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
-                                        start, stop, nodes, *out, self.threads, self.POLAR_DELTA)
+                                        *segments, nodes, *out, self.threads, self.POLAR_DELTA)
             for a, b in zip((log_z, mean, second), out):
                 a[idx] = b
         return log_z, mean, second
