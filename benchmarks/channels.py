@@ -1,7 +1,8 @@
 """Channel moments (log Z_out, g_out and the full Jacobian ∂_ω g_out): microseconds per sample
 on one core (best of three, CPU time of this process with threads=1 — run it with
 OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
-tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry).
+tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
+layers, with --self-reference K, against the same rule at twice the node counts on K draws.
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -12,7 +13,7 @@ T = 2 ≤ 2 ms per sample at ≤ 1e-4.
 
     python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
                                   [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
-                                  [--routes reparam noisy] [--noise Δ ...]
+                                  [--routes reparam noisy] [--noise Δ ...] [--self-reference K]
 """
 import argparse
 import sys
@@ -56,6 +57,9 @@ def main():
                    help="4-D cases (L = 3, noisy L = 2): references take 10 s to 3 min each")
     p.add_argument("--l3-timing-samples", type=int, default=40,
                    help="4-D cases (L = 3, noisy L = 2) take ≈ 5-30 ms per sample")
+    p.add_argument("--self-reference", type=int, default=0, metavar="K",
+                   help="three layers: measure the error on K draws against the same rule at twice the "
+                        "node counts per dimension (the mpmath reference takes minutes per draw)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
@@ -85,7 +89,12 @@ def run(a, rng, route, L, T, noise, reference, settings):
         y, omega, V = draws(model, q, a.l3_timing_samples if four_d else a.timing_samples, rng, noise,
                             a.pinned)
         k = a.l3_reference_samples if four_d else a.reference_samples
-        refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
+        if L == 3 and a.self_reference:
+            fine = model.channel(threads=1, error_estimate=False, nodes=14).moments(
+                y[:a.self_reference], omega[:a.self_reference], V)
+            refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
+        else:
+            refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
         for setting in settings:
             channel = model.channel(noise=noise, threads=1, **setting)
             channel.moments(y[:4], omega[:4], V)
@@ -99,6 +108,12 @@ def run(a, rng, route, L, T, noise, reference, settings):
             label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
             print(f"{name:14s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
                   f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
+
+
+class Fine:
+    """A self-reference: the same rule at twice the node counts."""
+    def __init__(self, g_out, dg_out):
+        self.g_out, self.dg_out = g_out, dg_out
 
 
 def _median(error):

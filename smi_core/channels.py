@@ -305,12 +305,13 @@ class ReparamChannel(PolarRule, Channel):
         self.model_is_points = model.layers == 1
 
     # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
-    POLAR_SCALE = {2: 1.0, 3: 0.5}      # node counts at the default ``nodes``
-    # three layers: at least 5 angles per ring (c0·scale), at most 30, the prior cut at e^-15
-    # (max error on 4 draws per q against the independent reference at n = 7: 5.0e-5 / 3.5e-5 /
-    # 1.0e-4 at q = 0 / 0.3 / 0.9 with 38k / 52k / 79k node pairs, was 3.8e-4 / 7.9e-5 / 1.3e-4
-    # with 39k / 51k / 69k)
-    POLAR_L3 = dict(c0=10.0, cap=60, reach=5.5)
+    POLAR_SCALE = {2: 1.0, 3: 4 / 7}    # node counts at the default ``nodes``
+    # three layers: at least 5.7 angles per ring (c0·scale), at most 34, the prior cut at e^-15;
+    # groups by |ω_ℓ| cells of 2√V_ℓℓ (each sample runs over its own ball, so wider cells cost
+    # little per sample and share the node set-up among more samples).  Max error on 96 draws per
+    # q against the same rule at twice the counts, 1024-draw batches (benchmarks/channels.py):
+    # 7.3e-5 / 2.6e-4 / 2.5e-2 at q = 0 / 0.3 / 0.9, medians 1.3e-5 / 5.7e-6 / 2.7e-6
+    POLAR_L3 = dict(c0=10.0, cap=60, reach=5.5, bin=2.0)
 
     @property
     def _ring_layers(self):
