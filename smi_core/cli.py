@@ -125,9 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--tol", type=float, default=1e-4, help="distance to the fixed point (default 1e-4)")
     se.add_argument("--max-iter", type=int, default=200)
     se.add_argument("--damping", type=float, default=0.0)
-    se.add_argument("--no-control-variate", dest="control_variate", action="store_false",
-                    help="estimate q̂ by the plain average of g gᵀ (default: with the Nishimori "
-                         "control variate, a several times smaller standard error)")
+    se.add_argument("--control-variate", action="store_true",
+                    help="estimate q̂ with the Nishimori control variate (a several times smaller "
+                         "standard error where the channel's Jacobian is accurate)")
     se.add_argument("--nodes", type=int, default=None, help="channel quadrature nodes per dimension")
     se.add_argument("--channel-tol", type=float, default=None,
                     help="per-sample tolerance of the channel's quadrature (e.g. 1e-2; default: nodes only)")
