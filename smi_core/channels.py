@@ -265,12 +265,9 @@ def _inverse_logdet(mix):
     """Node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] (5, n) from mixing-kernel rows [Φ, log|det Φ|]
     (inf where Φ is singular: integrate_polar skips those nodes)."""
     phi = mix.T
-    out = np.empty((5, len(mix)))
-    det = phi[0] * phi[3] - phi[1] * phi[2]
+    out = np.stack([phi[3], -phi[1], -phi[2], phi[0], phi[4]])
     with np.errstate(divide="ignore", invalid="ignore"):
-        for row, (col, sign) in enumerate(((3, 1), (1, -1), (2, -1), (0, 1))):
-            np.divide(phi[col] if sign > 0 else -phi[col], det, out=out[row])
-    out[4] = phi[4]
+        out[:4] /= phi[0] * phi[3] - phi[1] * phi[2]
     return out
 
 
