@@ -61,7 +61,7 @@ def cmd_kernels(a) -> dict:
 
 def cmd_se(a) -> dict:
     """State evolution over a grid of α (spec §5): overlaps per layer, errors, free entropy."""
-    from .state_evolution import learning_curve
+    from .state_evolution import MAX_SAMPLES, learning_curve
     model = build_model(a)
     channel = ({"threads": a.threads} | ({"nodes": a.nodes} if a.nodes else {})
                | ({"tol": a.channel_tol} if a.channel_tol else {}))
@@ -69,7 +69,8 @@ def cmd_se(a) -> dict:
     curve = learning_curve(model, alphas(a.alphas), start=a.start, samples=a.samples, seed=a.seed,
                            noise=a.noise, side_info=a.side_info, tol=a.tol, max_iter=a.max_iter,
                            damping=a.damping, channel=channel, progress=not a.quiet,
-                           control_variate=a.control_variate)
+                           control_variate=a.control_variate, stderr_tol=a.stderr_tol,
+                           max_samples=a.max_samples or MAX_SAMPLES)
     seconds = time.perf_counter() - start
     rows = [_se_row(r) for r in curve]
     result = {"model": repr(model), "noise": a.noise, "samples": a.samples, "seed": a.seed,
@@ -91,7 +92,7 @@ def _se_row(r) -> dict:
     row |= {f"q_{i + 1}": float(v) for i, v in enumerate(np.diag(r.q))}
     row |= {"prediction_error": r.prediction_error, "plugin_error": r.plugin_error,
             "free_entropy": r.free_entropy, "q_stderr": float(r.q_stderr.max()),
-            "iterations": r.iterations, "converged": r.converged, "start": r.start,
+            "iterations": r.iterations, "samples": r.samples, "converged": r.converged, "start": r.start,
             "gap": r.alternative is not None}
     return row
 
@@ -128,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument("--control-variate", action="store_true",
                     help="estimate q̂ with the Nishimori control variate (a several times smaller "
                          "standard error where the channel's Jacobian is accurate)")
+    se.add_argument("--stderr-tol", type=float, default=None,
+                    help="per α, double the draws until the standard error of q is below this "
+                         "(default: off)")
+    se.add_argument("--max-samples", type=int, default=None,
+                    help="the draws' ceiling with --stderr-tol (default 262144)")
     se.add_argument("--nodes", type=int, default=None, help="channel quadrature nodes per dimension")
     se.add_argument("--channel-tol", type=float, default=None,
                     help="per-sample tolerance of the channel's quadrature (e.g. 1e-2; default: nodes only)")

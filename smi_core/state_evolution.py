@@ -48,6 +48,7 @@ V_MIN = 1e-6                  # q is kept in [0, (1 − V_MIN) I]: V ≥ V_MIN I
 DISTINCT = 1e-2               # two fixed points differ when some |Δq| exceeds this
 STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
+MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws double up to this many
 
 
 @dataclass
@@ -69,6 +70,7 @@ class SEResult:
     iterations: int
     converged: bool
     start: str                          # the start it was reached from
+    samples: int = 0                    # draws of (ξ, ζ) at the fixed point (see stderr_tol)
     alternative: "SEResult | None" = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -81,32 +83,49 @@ class SEResult:
 
 class _Draws:
     """The fixed standard-normal draws of one state evolution: ξ, ζ (n, R, T), the output
-    noise η (n, size(y)), in BLOCKS equal blocks.  Without ``xi`` (for q = 0 only) ξ = 0 and ζ
-    takes the first coordinates of the Sobol points.  With ``spread`` = σ(d) > 1, a function of
-    the number d of coordinates, all are drawn wider, σx, with importance weights
-    σ^d e^{−(σ² − 1)|x|²/2}, so that the tails of polynomially growing integrands are sampled."""
+    noise η (n, size(y)), in BLOCKS equal blocks of ``per`` draws.  Without ``xi`` (for q = 0
+    only) ξ = 0 and ζ takes the first coordinates of the Sobol points.  With ``spread`` = σ(d) >
+    1, a function of the number d of coordinates, all are drawn wider, σx, with importance
+    weights σ^d e^{−(σ² − 1)|x|²/2}, so that the tails of polynomially growing integrands are
+    sampled.  ``use(per)`` switches to the first ``per`` draws of every block, drawing more
+    when needed: each block continues its own sequence (a scrambled Sobol sequence's first 2^k
+    points are a scrambled Sobol set), so a larger set contains every smaller one."""
 
     def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
                  rng: np.random.Generator, xi: bool = True, spread=None):
         per = -(-samples // BLOCKS)
-        k = R * T if xi else 0
-        dims = k + R * T + (n_out if noisy else 0)
+        self.R, self.T, self.k, self.noisy = R, T, R * T if xi else 0, noisy
+        self.dims = self.k + R * T + (n_out if noisy else 0)
+        self.sigma = None if spread is None else spread(self.dims)
         if sampler == "sobol":
             per = 1 << max(int(np.ceil(np.log2(per))), 1)
-            u = np.concatenate([qmc.Sobol(dims, scramble=True, seed=rng).random(per) for _ in range(BLOCKS)])
-            x = norm.ppf(np.clip(u, 1e-300, 1 - 2 ** -53))
-        else:
-            x = rng.standard_normal((per * BLOCKS, dims))
+            self._engines = [qmc.Sobol(self.dims, scramble=True, seed=rng) for _ in range(BLOCKS)]
+        self._rng, self._sobol = rng, sampler == "sobol"
+        self._x = np.empty((BLOCKS, 0, self.dims))
+        self.use(per)
+
+    def _more(self, count: int) -> np.ndarray:
+        """The next ``count`` standard-normal points of every block, (BLOCKS, count, dims)."""
+        if self._sobol:
+            u = np.stack([e.random(count) for e in self._engines])
+            return norm.ppf(np.clip(u, 1e-300, 1 - 2 ** -53))
+        return self._rng.standard_normal((BLOCKS, count, self.dims))
+
+    def use(self, per: int) -> None:
+        """Use the first ``per`` draws of every block (n = BLOCKS·per in all)."""
+        if per > self._x.shape[1]:
+            self._x = np.concatenate([self._x, self._more(per - self._x.shape[1])], axis=1)
+        x = self._x[:, :per].reshape(BLOCKS * per, self.dims)
         n = len(x)
         self.n, self.per = n, per
         self.weight = None
-        if spread is not None:
-            sigma = spread(dims)
-            self.weight = sigma ** dims * np.exp(-0.5 * (sigma ** 2 - 1) * (x ** 2).sum(axis=1))
-            x = sigma * x
-        self.xi = x[:, :k].reshape(n, R, T) if xi else np.zeros((n, R, T))
-        self.zeta = x[:, k:k + R * T].reshape(n, R, T)
-        self.eta = x[:, k + R * T:] if noisy else None
+        if self.sigma is not None:
+            self.weight = self.sigma ** self.dims * np.exp(-0.5 * (self.sigma ** 2 - 1) * (x ** 2).sum(axis=1))
+            x = self.sigma * x
+        k, RT = self.k, self.R * self.T
+        self.xi = x[:, :k].reshape(n, self.R, self.T) if k else np.zeros((n, self.R, self.T))
+        self.zeta = x[:, k:k + RT].reshape(n, self.R, self.T)
+        self.eta = x[:, k + RT:] if self.noisy else None
 
     def blocks(self, values: np.ndarray) -> np.ndarray:
         """The BLOCKS block means of per-sample ``values`` (n, ...), importance-weighted."""
@@ -261,7 +280,29 @@ def _start(start, R: int) -> tuple[np.ndarray, str]:
 
 
 def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, damping: float,
-             tol: float, max_iter: int, memory: int = 3) -> SEResult:
+             tol: float, max_iter: int, stderr_tol: float | None = None,
+             max_samples: int | None = None) -> SEResult:
+    """The fixed point from q0 at the problem's draws; with ``stderr_tol``, while the standard
+    error of the fixed point q (``q_stderr``) is above it, the draws are doubled (each block
+    continues its sequence) and the iteration continues from there, up to ``max_samples``
+    draws.  The problem is left at the draws it started with."""
+    base, trajectory, iterations = problem.draws.per, [], 0
+    while True:
+        r = _converge(problem, alpha, q0, label, damping, tol, max_iter)
+        trajectory.append(r.trajectory)         # q of every evaluation of the map
+        iterations += r.iterations
+        if (stderr_tol is None or r.q_stderr.max() <= stderr_tol
+                or 2 * problem.draws.n > (max_samples or 0)):
+            break
+        problem.draws.use(2 * problem.draws.per)
+        q0 = r.q
+    problem.draws.use(base)
+    r.trajectory, r.iterations = np.concatenate(trajectory), iterations
+    return r
+
+
+def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, damping: float,
+              tol: float, max_iter: int, memory: int = 3) -> SEResult:
     q, trajectory, mix = q0, [q0], _Anderson(memory)
     for it in range(1, max_iter + 1):
         q_hat, q_hat_err, log_z, log_z_err = problem.step(q, alpha)
@@ -281,7 +322,8 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
                     trajectory=np.array(trajectory), stderr=q_hat_err,
                     q_stderr=(1 - damping) * inv @ q_hat_err @ inv / (1 - rho),
                     free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
-                    plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label)
+                    plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label,
+                    samples=problem.draws.n)
 
 
 def _stagnated(trajectory, tol: float, window: int = 6) -> bool:
@@ -357,8 +399,12 @@ def _best(a: SEResult, b: SEResult) -> SEResult:
     return best
 
 
-def _check(alpha, damping, tol, max_iter):
+def _check(alpha, damping, tol, max_iter, stderr_tol=None, max_samples=None, samples=0):
     alpha = validate.positive("alpha", alpha, allow_zero=True)
+    if stderr_tol is not None:
+        validate.positive("stderr_tol", stderr_tol)
+        if not isinstance(max_samples, (int, np.integer)) or max_samples < samples:
+            raise ValueError(f"max_samples must be an integer ≥ samples ({samples}), got {max_samples!r}")
     if not 0 <= damping < 1:
         raise ValueError(f"damping must be in [0, 1), got {damping}")
     validate.positive("tol", tol)
@@ -370,7 +416,8 @@ def _check(alpha, damping, tol, max_iter):
 def state_evolution(model, alpha: float, *, side_info: float = 0.0, start="uninformed",
                     damping: float = 0.0, samples: int = 4096, seed=0, tol: float = 1e-4,
                     max_iter: int = 200, noise: float | None = None, sampler: str = "sobol",
-                    channel: dict | None = None, control_variate: bool = False) -> SEResult:
+                    channel: dict | None = None, control_variate: bool = False,
+                    stderr_tol: float | None = None, max_samples: int = MAX_SAMPLES) -> SEResult:
     """Iterate state evolution at sample ratio ``alpha`` from ``start`` until the estimated
     distance to the fixed point is below ``tol``.  ``start``: "uninformed" (q = 1e-3·I),
     "informed" (q = (1 − 1e-3)·I), "both" (both; the larger free
@@ -380,15 +427,16 @@ def state_evolution(model, alpha: float, *, side_info: float = 0.0, start="uninf
     ``channel``: options for ``model.channel`` (e.g. ``{"nodes": 10, "threads": 2}``);
     ``control_variate``: estimate q̂ with the Nishimori control variate (see ``_Problem.step``;
     it needs an accurate channel Jacobian: where the last layer is pinned, the two-layer polar
-    rule's ∂g_out errors bias it)."""
-    alpha = _check(alpha, damping, tol, max_iter)
+    rule's ∂g_out errors bias it); ``stderr_tol``: double the draws (up to ``max_samples``)
+    until the standard error of the fixed point q, ``q_stderr``, is below it."""
+    alpha = _check(alpha, damping, tol, max_iter, stderr_tol, max_samples, samples)
     problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel,
                        control_variate=control_variate)
     if isinstance(start, str) and start == "both":
-        runs = [_iterate(problem, alpha, *_start(s, problem.R), damping, tol, max_iter)
+        runs = [_iterate(problem, alpha, *_start(s, problem.R), damping, tol, max_iter, stderr_tol, max_samples)
                 for s in ("uninformed", "informed")]
         return _best(*runs)
-    return _iterate(problem, alpha, *_start(start, problem.R), damping, tol, max_iter)
+    return _iterate(problem, alpha, *_start(start, problem.R), damping, tol, max_iter, stderr_tol, max_samples)
 
 
 def free_entropy(model, alpha: float, q, q_hat, *, side_info: float = 0.0, samples: int = 4096,
@@ -411,19 +459,21 @@ def free_entropy(model, alpha: float, q, q_hat, *, side_info: float = 0.0, sampl
 def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool = True,
                    side_info: float = 0.0, samples: int = 4096, seed=0, noise: float | None = None,
                    sampler: str = "sobol", channel: dict | None = None, damping: float = 0.0,
-                   tol: float = 1e-4, max_iter: int = 200, control_variate: bool = False) -> list[SEResult]:
+                   tol: float = 1e-4, max_iter: int = 200, control_variate: bool = False,
+                   stderr_tol: float | None = None, max_samples: int = MAX_SAMPLES) -> list[SEResult]:
     """State evolution over a grid of α with continuation: the uninformed branch is swept up in
     α, each point started from the previous fixed point (its eigenvalues floored at the
     uninformed start); the informed branch is swept down.  ``start="both"`` sweeps both and
     keeps, per α, the fixed point of larger free entropy (the other in ``.alternative``).  The
-    same draws serve every α.  Options as for state_evolution.  Returns one SEResult per α, in
+    same draws serve every α (with ``stderr_tol``, each α starts from ``samples`` and doubles
+    them only as far as it needs).  Options as for state_evolution.  Returns one SEResult per α, in
     the order given."""
     alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
     if alphas.size == 0 or not np.isfinite(alphas).all() or (alphas < 0).any():
         raise ValueError("alphas must be a non-empty list of finite values ≥ 0")
     if start not in STARTS:
         raise ValueError(f"start must be one of {STARTS}, got {start!r}")
-    _check(0.0, damping, tol, max_iter)
+    _check(0.0, damping, tol, max_iter, stderr_tol, max_samples, samples)
     problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel,
                        control_variate=control_variate)
     branches = {}
@@ -432,11 +482,13 @@ def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool =
         order = np.argsort(alphas) if branch == "uninformed" else np.argsort(-alphas)
         q0, results = _start(branch, problem.R)[0], {}
         for i in order:
-            results[i] = res = _iterate(problem, float(alphas[i]), q0, branch, damping, tol, max_iter)
+            results[i] = res = _iterate(problem, float(alphas[i]), q0, branch, damping, tol, max_iter,
+                                        stderr_tol, max_samples)
             q0 = res.q
             if branch == "uninformed":      # off the q = 0 fixed point again
                 q0 = _spectral(res.q, lambda w: np.maximum(w, UNINFORMED))
-            bar.set_postfix(alpha=f"{alphas[i]:.3g}", q=np.round(np.diag(res.q), 3).tolist())
+            bar.set_postfix(alpha=f"{alphas[i]:.3g}", q=np.round(np.diag(res.q), 3).tolist(),
+                            **({"samples": res.samples} if stderr_tol else {}))
             bar.update(1)
         branches[branch] = results
     bar.close()

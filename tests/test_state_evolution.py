@@ -62,6 +62,38 @@ def test_phase_retrieval_curve_matches_independent_quadrature():
         assert abs(r.q[0, 0] - expected) <= 4 * r.q_stderr[0, 0] + 1e-4, (r.alpha, r.q, expected, r.q_stderr)
 
 
+def test_stderr_tol_doubles_the_draws_until_q_is_that_precise():
+    """With ``stderr_tol`` the draws double (each block continuing its Sobol sequence) until
+    the standard error of the fixed point q is below it: noiseless phase retrieval at α = 0.7
+    (q ≈ 0.12, a slowly contracting fixed point) from 256 draws, against the independent quadrature."""
+    plain = state_evolution(PR, 0.7, samples=256, tol=1e-6, max_iter=1000)
+    r = state_evolution(PR, 0.7, samples=256, tol=1e-6, max_iter=1000, stderr_tol=2e-3)
+    assert plain.q_stderr[0, 0] > 2e-3 and plain.samples == 256
+    assert r.converged and r.q_stderr[0, 0] <= 2e-3 and r.samples > 256
+    assert r.iterations == len(r.trajectory) > plain.iterations
+    expected = _pr_fixed_point(0.7)
+    assert abs(r.q[0, 0] - expected) <= 4 * r.q_stderr[0, 0], (r.q, expected, r.q_stderr)
+    capped = state_evolution(PR, 0.7, samples=256, tol=1e-6, max_iter=1000, stderr_tol=1e-6,
+                             max_samples=2048)
+    assert capped.samples == 2048 and capped.q_stderr[0, 0] > 1e-6     # the ceiling, reported
+
+
+def test_draws_grow_by_continuing_each_block():
+    """A larger set of draws contains the smaller one block by block (Sobol and MC), and going
+    back to fewer draws gives the same draws again."""
+    from smi_core.state_evolution import BLOCKS, _Draws
+    for sampler in ("sobol", "mc"):
+        d = _Draws(512, 2, 2, 4, True, sampler, np.random.default_rng(5))
+        small = [a.reshape(BLOCKS, 64, -1).copy() for a in (d.xi, d.zeta, d.eta)]
+        d.use(256)
+        assert d.n == 2048
+        for a, b in zip(small, (d.xi, d.zeta, d.eta)):
+            b = b.reshape(BLOCKS, 256, -1)
+            assert np.array_equal(a, b[:, :64]) and not np.array_equal(b[:, :64], b[:, 64:128])
+        d.use(64)
+        assert all(np.array_equal(a, b.reshape(BLOCKS, 64, -1)) for a, b in zip(small, (d.xi, d.zeta, d.eta)))
+
+
 # -- linear channel with noise: closed form ---------------------------------------------------------
 
 @pytest.mark.parametrize("noise, alpha, side_info", [(0.5, 1.0, 0.0), (0.1, 2.5, 0.0), (0.3, 0.7, 0.2)])
@@ -210,6 +242,8 @@ def test_trajectory_and_result_fields():
     (dict(alpha=1.0, side_info=-0.1), "side_info"),
     (dict(alpha=1.0, noise=0.0), "noise"),
     (dict(alpha=1.0, tol=0.0), "tol"),
+    (dict(alpha=1.0, stderr_tol=-1e-3), "stderr_tol"),
+    (dict(alpha=1.0, stderr_tol=1e-3, samples=4096, max_samples=1024), "max_samples"),
 ])
 def test_bad_input_is_a_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -220,11 +254,12 @@ def test_cli_se_json_csv_and_figure(tmp_path, capsys):
     from smi_core.cli import main
     csv, png = tmp_path / "se.csv", tmp_path / "se.png"
     code = main(["se", "--alphas", "0.3,0.6", "--samples", "256", "--nodes", "6", "--quiet",
-                 "--csv", str(csv), "--plot", str(png), "--json"])
+                 "--csv", str(csv), "--plot", str(png), "--json", "--stderr-tol", "1.0"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert [p["alpha"] for p in out["points"]] == [0.3, 0.6]
-    for key in ("q", "q_hat", "mse", "prediction_error", "plugin_error", "free_entropy", "stderr"):
+    for key in ("q", "q_hat", "mse", "prediction_error", "plugin_error", "free_entropy", "stderr",
+                "q_stderr", "samples"):
         assert key in out["points"][0]
     assert csv.read_text().splitlines()[0].startswith("alpha,q_1,q_2,")
     assert png.stat().st_size > 10_000
