@@ -497,10 +497,10 @@ class ReparamChannel(PolarRule, Channel):
         return log_z, omega.reshape(n, 4) + mean, second - mean[:, :, None] * mean[:, None, :], achieved
 
     def representable(self, y) -> np.ndarray:
-        """(n,) mask: softmax outputs with every entry > 0 (an entry that underflowed to 0
-        carries no pre-image)."""
+        """(n,) mask: softmax outputs whose pre-image ±u_L float64 determines (not an entry
+        that underflowed to 0, nor u₁ ≈ u₂ lost to rounding: ``has_preimage``)."""
         y = np.asarray(y, dtype=np.float64)
-        return super().representable(y) & (y.reshape(len(y), -1) > 0).all(axis=1)
+        return super().representable(y) & self._u_model.has_preimage(y)
 
     def _check_y(self, y, n):
         y, _ = validate.batch("y", y, (self.T, self.T))

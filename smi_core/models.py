@@ -140,13 +140,10 @@ class DeepAttention(SMIModel):
             raise ValueError(f"y and h_prev must have the same number of samples, got {len(y)} and {len(h_prev)}")
         x = np.concatenate([y.reshape(len(y), -1), h_prev.reshape(len(y), -1)], axis=1)
         out = kernel(x, self.params)
-        u, h, logdet, resid = out[:, :T], out[:, T:2 * T], out[:, 2 * T], out[:, 2 * T + 1:]
-        logratio = np.abs(np.log(y)).reshape(len(y), -1).max(axis=1)
-        bad = first_bad_row(u)
-        if bad is None:
-            off = np.abs(resid).max(axis=1, initial=0.0) > tol * np.maximum(1.0, logratio)
-            bad = int(np.argmax(off)) if off.any() else None
-        if bad is not None:
+        u, h, logdet = out[:, :T], out[:, T:2 * T], out[:, 2 * T]
+        consistent = self._consistent(y, out, tol)
+        if not consistent.all():
+            bad = int(np.argmin(consistent))
             raise ValueError(f"y has no consistent pre-image σ_β(u uᵀ) (sample {bad}): its log-ratios "
                              "log(y_ts/y_tt) are not of the form β u_t (u_s - u_t)")
         bad = first_bad_row(h)
@@ -154,6 +151,30 @@ class DeepAttention(SMIModel):
             raise ValueError(f"h_prev gives a singular mixing matrix Φ⁽ᴸ⁻¹⁾ (sample {bad}): "
                              "h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹ u_L is not finite")
         return Reparametrisation(u=u, h=h, logdet=logdet)
+
+    def has_preimage(self, y, tol: float = 1e-7) -> np.ndarray:
+        """(n,) mask of the softmax outputs y whose last-layer pre-image ±u_L is determined in
+        float64 (``reparametrise`` accepts them).  Besides outputs outside the model's range,
+        it excludes those rounding has made ambiguous: for T = 2, u = ±(a, −b)/√(a + b) with
+        a + b = (u₁ − u₂)², which cancels to nothing when u₁ ≈ u₂ (both rows of y within ≈ 1e-8
+        of ½ ± the same amount)."""
+        T, L = self.tokens, self.layers
+        y = np.asarray(y, dtype=np.float64)
+        inside = ((y > 0) & (y <= 1)).reshape(len(y), -1).all(axis=1)      # as validate.softmax_output
+        inside &= np.abs(y.sum(axis=-1) - 1).reshape(len(y), -1).max(axis=1) <= 1e-9
+        x = np.concatenate([np.where(inside[:, None, None], y, 1.0 / T).reshape(len(y), -1),
+                            np.zeros((len(y), (L - 1) * T))], axis=1)
+        return inside & self._consistent(x[:, :T * T].reshape(y.shape), self.kernel("reparam")(x, self.params), tol)
+
+    @staticmethod
+    def _consistent(y, out, tol):
+        """The reparametrisation kernel's u finite and its residuals (the log-ratios of y that
+        u does not reproduce) within tol of the largest log-ratio (at least 1)."""
+        T = y.shape[-1]
+        resid = out[:, 2 * T + 1:]
+        logratio = np.abs(np.log(y)).reshape(len(y), -1).max(axis=1)
+        finite = np.isfinite(out[:, :T]).all(axis=1)
+        return finite & (np.abs(resid).max(axis=1, initial=0.0) <= tol * np.maximum(1.0, logratio))
 
 
 @dataclass

@@ -204,19 +204,34 @@ class _Problem:
         Z = omega + np.einsum("ab,nbt->nat", _sqrtm(V), self.draws.zeta)
         return omega, V, Z
 
+    def moments(self, q: np.ndarray):
+        """g_out (n, R, T), ∂_ω g_out (n, RT, RT) and log Z_out (n,) at the draws for overlap q.
+        A drawn output the channel cannot take (``channel.representable``: a softmax entry that
+        underflowed to 0, or a pre-image lost to rounding, e.g. u₁ ≈ u₂ to 1e-8 — seen once in
+        ≈ 10⁸ two-layer draws) counts as 0: its probability is far below the sampling error."""
+        omega, V, Z = self.fields(q)
+        y = self.outputs(Z)
+        keep = self.channel.representable(y)
+        if keep.all():
+            m = self.channel.moments(y, omega, V)
+            return m.g_out, m.dg_out, m.log_z
+        m = self.channel.moments(y[keep], omega[keep], V)
+        g, dg, log_z = (np.zeros((len(y),) + a.shape[1:]) for a in (m.g_out, m.dg_out, m.log_z))
+        g[keep], dg[keep], log_z[keep] = m.g_out, m.dg_out, m.log_z
+        return g, dg, log_z
+
     def step(self, q: np.ndarray, alpha: float):
         """q̂ (with its standard error) and E log Z_out (with its standard error) at q.  With
         ``control_variate``, the Nishimori identity E[Σ_t g_t g_tᵀ] = −E[Σ_t ∂_{ω_t} g_t] (y drawn
         from the model) makes D = Σ_t (g_t g_tᵀ + ∂_{ω_t} g_t) a control variate of mean zero."""
-        omega, V, Z = self.fields(q)
-        m = self.channel.moments(self.outputs(Z), omega, V)
-        gg = np.einsum("nat,nbt->nab", m.g_out, m.g_out)
+        g, dg, log_z = self.moments(q)
+        gg = np.einsum("nat,nbt->nab", g, g)
         if self.control_variate:
-            J = m.dg_out.reshape(len(gg), self.R, self.T, self.R, self.T)
+            J = dg.reshape(len(gg), self.R, self.T, self.R, self.T)
             q_hat, q_hat_err = self.draws.mean_controlled(gg, gg + np.einsum("natbt->nab", J))
         else:
             q_hat, q_hat_err = self.draws.mean(gg)
-        log_z, log_z_err = self.draws.mean(m.log_z)
+        log_z, log_z_err = self.draws.mean(log_z)
         return alpha * q_hat, alpha * q_hat_err, float(log_z), float(log_z_err)
 
     def shifted(self, q_hat: np.ndarray) -> np.ndarray:

@@ -91,14 +91,10 @@ class _Evaluation:
 
 def _evaluate(problem: _Problem, q: np.ndarray) -> _Evaluation:
     """A drawn output the channel cannot take (a softmax entry underflowed to 0, only far out
-    in the widened tails) counts as 0: its probability is far below the sampling error."""
-    omega, V, Z = problem.fields(q)
-    y = problem.outputs(Z)
-    keep = problem.channel.representable(y)
-    m = problem.channel.moments(y[keep], omega[keep], V)
-    R, T, n = problem.R, problem.T, len(Z)
-    g, J = np.zeros((n, R, T)), np.zeros((n, R, T, R, T))
-    g[keep], J[keep] = m.g_out, m.dg_out.reshape(-1, R, T, R, T)
+    in the widened tails) counts as 0 (``_Problem.moments``)."""
+    g, dg, _ = problem.moments(q)
+    R, T = problem.R, problem.T
+    J = dg.reshape(-1, R, T, R, T)
     return _Evaluation(gg=problem.draws.blocks(np.einsum("nat,nbt->nab", g, g)),
                        F=problem.draws.blocks(np.einsum("natcs,nbtds->nabcd", J, J)))
 
