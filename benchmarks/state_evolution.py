@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--three-layer-tol", type=float, default=1e-4,
                    help="SE tolerance of the three-layer curve (its channel is noisier)")
     p.add_argument("--stderr-tol", type=float, default=None,
-                   help="double the draws per α until the standard error of q is below this")
+                   help="grow the draws per α until the standard error of q is below this")
     p.add_argument("--max-samples", type=int, default=1 << 18, help="the draws' ceiling with --stderr-tol")
     p.add_argument("--plot", default=None, metavar="DIR", help="write the figures to DIR")
     a = p.parse_args()

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="estimate q̂ with the Nishimori control variate (a several times smaller "
                          "standard error where the channel's Jacobian is accurate)")
     se.add_argument("--stderr-tol", type=float, default=None,
-                    help="per α, double the draws until the standard error of q is below this "
+                    help="per α, grow the draws until the standard error of q is below this "
                          "(default: off)")
     se.add_argument("--max-samples", type=int, default=None,
                     help="the draws' ceiling with --stderr-tol (default 262144)")

@@ -62,8 +62,8 @@ def test_phase_retrieval_curve_matches_independent_quadrature():
         assert abs(r.q[0, 0] - expected) <= 4 * r.q_stderr[0, 0] + 1e-4, (r.alpha, r.q, expected, r.q_stderr)
 
 
-def test_stderr_tol_doubles_the_draws_until_q_is_that_precise():
-    """With ``stderr_tol`` the draws double (each block continuing its Sobol sequence) until
+def test_stderr_tol_grows_the_draws_until_q_is_that_precise():
+    """With ``stderr_tol`` the draws grow (each block continuing its Sobol sequence) until
     the standard error of the fixed point q is below it: noiseless phase retrieval at α = 0.7
     (q ≈ 0.12, a slowly contracting fixed point) from 256 draws, against the independent quadrature."""
     plain = state_evolution(PR, 0.7, samples=256, tol=1e-6, max_iter=1000)
