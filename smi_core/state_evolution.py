@@ -63,7 +63,7 @@ class SEResult:
     free_entropy: float
     trajectory: np.ndarray              # (iterations + 1, R, R): q at every step
     stderr: np.ndarray                  # standard error of q̂
-    q_stderr: np.ndarray                # … propagated to the fixed point q (see _iterate)
+    q_stderr: np.ndarray                # … of the fixed point q (delta method: _Problem.fixed_point_stderr)
     free_entropy_stderr: float
     prediction_error_stderr: float
     plugin_error_stderr: float
@@ -138,10 +138,10 @@ class _Draws:
         blocks = self.blocks(values)
         return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
 
-    def mean_controlled(self, values: np.ndarray, control: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``mean`` of values − c·control, entry by entry, for a ``control`` of mean zero:
-        c = Cov(v, d)/Var(d) over all draws (v, d importance-weighted) minimises the variance;
-        estimating c from the same draws biases the mean by O(1/n) only."""
+    def controlled(self, values: np.ndarray, control: np.ndarray) -> np.ndarray:
+        """values − c·control, entry by entry, for a ``control`` of mean zero: c = Cov(v, d)/Var(d)
+        over all draws (v, d importance-weighted) minimises the variance of the mean; estimating
+        c from the same draws biases the mean by O(1/n) only."""
         v, d = values, control
         if self.weight is not None:
             w = self.weight.reshape(-1, *([1] * (values.ndim - 1)))
@@ -149,7 +149,7 @@ class _Draws:
         dc = d - d.mean(axis=0)
         var = (dc ** 2).mean(axis=0)
         c = ((v - v.mean(axis=0)) * dc).mean(axis=0) / np.where(var > 0, var, 1.0)
-        return self.mean(values - c * control)
+        return values - c * control
 
 
 def _spectral(q: np.ndarray, f) -> np.ndarray:
@@ -221,18 +221,57 @@ class _Problem:
         return g, dg, log_z
 
     def step(self, q: np.ndarray, alpha: float):
-        """q̂ (with its standard error) and E log Z_out (with its standard error) at q.  With
-        ``control_variate``, the Nishimori identity E[Σ_t g_t g_tᵀ] = −E[Σ_t ∂_{ω_t} g_t] (y drawn
-        from the model) makes D = Σ_t (g_t g_tᵀ + ∂_{ω_t} g_t) a control variate of mean zero."""
+        """q̂ (with its standard error) and E log Z_out (with its standard error) at q, and the
+        BLOCKS block estimates of q̂.  With ``control_variate``, the Nishimori identity
+        E[Σ_t g_t g_tᵀ] = −E[Σ_t ∂_{ω_t} g_t] (y drawn from the model) makes
+        D = Σ_t (g_t g_tᵀ + ∂_{ω_t} g_t) a control variate of mean zero."""
         g, dg, log_z = self.moments(q)
         gg = np.einsum("nat,nbt->nab", g, g)
         if self.control_variate:
             J = dg.reshape(len(gg), self.R, self.T, self.R, self.T)
-            q_hat, q_hat_err = self.draws.mean_controlled(gg, gg + np.einsum("natbt->nab", J))
-        else:
-            q_hat, q_hat_err = self.draws.mean(gg)
+            gg = self.draws.controlled(gg, gg + np.einsum("natbt->nab", J))
+        blocks = alpha * self.draws.blocks(gg)
         log_z, log_z_err = self.draws.mean(log_z)
-        return alpha * q_hat, alpha * q_hat_err, float(log_z), float(log_z_err)
+        return (blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS), float(log_z),
+                float(log_z_err), blocks)
+
+    def fixed_point_stderr(self, q: np.ndarray, alpha: float, q_hat: np.ndarray,
+                           blocks: np.ndarray) -> np.ndarray:
+        """Standard error of the fixed point q* = u(q̂(q*)) (u = ``update``) by the delta method:
+        block b's estimate q̂_b moves it by δq*_b = (I − J)⁻¹ (u(q̂_b) − u(q̂)), J = ∂(u∘q̂)/∂q at
+        q* (near a transition an eigenvalue of J → 1: the fixed point is that much less
+        determined).  J by one-sided differences along each symmetric direction E_ab, step 1 %
+        of √(V_aa V_bb) (within [1e-6, 1e-3], inwards at the upper bound), on the same draws
+        (common random numbers) but only the first 1/8 of each block (at least 128: J needs
+        ≈ 10 % accuracy, not q*'s); its spectral radius is capped at 0.99 (at most ×100)."""
+        R = self.R
+        rows, cols = np.triu_indices(R)
+        base = np.array([self.update(b) for b in blocks]) - self.update(q_hat)
+        dev = base[:, rows, cols]
+        if not dev.any():
+            return np.zeros((R, R))
+        per = self.draws.per
+        self.draws.use(min(per, max(per // BLOCKS, 128)))
+        try:
+            u0 = self.update(self.step(q, alpha)[0])
+            V = np.diag(np.eye(R) - q)
+            J = np.empty((len(rows), len(rows)))
+            for k, (a, b) in enumerate(zip(rows, cols)):
+                E = np.zeros((R, R))
+                E[a, b] = E[b, a] = 1.0
+                h = float(np.clip(0.01 * np.sqrt(V[a] * V[b]), 1e-6, 1e-3))
+                if np.linalg.eigvalsh(q + h * E)[-1] > 1 - V_MIN:
+                    h = -h
+                J[:, k] = (self.update(self.step(q + h * E, alpha)[0]) - u0)[rows, cols] / h
+        finally:
+            self.draws.use(per)
+        rho = np.abs(np.linalg.eigvals(J)).max()
+        if rho > 0.99:
+            J *= 0.99 / rho
+        moved = np.linalg.solve(np.eye(len(rows)) - J, dev.T).T
+        se = np.zeros((R, R))
+        se[rows, cols] = se[cols, rows] = moved.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
+        return se
 
     def shifted(self, q_hat: np.ndarray) -> np.ndarray:
         """q̂ + λI: the prior's conjugate with side information."""
@@ -326,7 +365,7 @@ def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampi
               tol: float, max_iter: int, memory: int = 3) -> SEResult:
     q, trajectory, mix = q0, [q0], _Anderson(memory)
     for it in range(1, max_iter + 1):
-        q_hat, q_hat_err, log_z, log_z_err = problem.step(q, alpha)
+        q_hat, q_hat_err, log_z, log_z_err, blocks = problem.step(q, alpha)
         mix.push(q, damping * q + (1 - damping) * problem.update(q_hat))
         converged = mix.distance() < tol or _stagnated(trajectory, tol)
         if converged or it == max_iter:
@@ -334,14 +373,10 @@ def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampi
         q = _project(mix.next().reshape(q.shape))
         trajectory.append(q)
     bayes, bayes_err, plugin, plugin_err = problem.errors(q)
-    # δq* = (1 − d) (I + q̂)⁻¹ δq̂ (I + q̂)⁻¹ / (1 − ρ): a perturbation of the map moves its fixed
-    # point by 1/(1 − ρ) times as much (ρ the map's contraction, taken ≤ 0.99)
-    inv = np.abs(np.linalg.inv(np.eye(problem.R) + problem.shifted(q_hat)))
-    rho = min(mix.contraction(), 0.99) if len(mix.X) > 1 else 0.0
     return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
                     plugin_error=plugin, free_entropy=problem.free_entropy(q, q_hat, alpha, log_z),
                     trajectory=np.array(trajectory), stderr=q_hat_err,
-                    q_stderr=(1 - damping) * inv @ q_hat_err @ inv / (1 - rho),
+                    q_stderr=problem.fixed_point_stderr(q, alpha, q_hat, blocks),
                     free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
                     plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label,
                     samples=problem.draws.n)
@@ -473,7 +508,7 @@ def free_entropy(model, alpha: float, q, q_hat, *, side_info: float = 0.0, sampl
             raise ValueError(f"{name} must be a finite ({problem.R}, {problem.R}) matrix, got shape {a.shape}")
     if np.abs(_project(q) - q).max() > 1e-12:
         raise ValueError(f"q must be symmetric with eigenvalues in [0, 1 − {V_MIN:g}]")
-    _, _, log_z, log_z_err = problem.step(q, alpha)
+    _, _, log_z, log_z_err, _ = problem.step(q, alpha)
     return problem.free_entropy(q, q_hat, alpha, log_z), alpha * log_z_err
 
 
