@@ -48,7 +48,7 @@ V_MIN = 1e-6                  # q is kept in [0, (1 − V_MIN) I]: V ≥ V_MIN I
 DISTINCT = 1e-2               # two fixed points differ when some |Δq| exceeds this
 STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
-MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws double up to this many
+MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws grow up to this many
 
 
 @dataclass
