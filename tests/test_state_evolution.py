@@ -351,3 +351,14 @@ def test_an_output_without_a_float64_preimage_counts_as_zero(monkeypatch):
     assert (g2[0] == 0).all() and (dg2[0] == 0).all() and log_z2[0] == 0
     # the others as before (to the rule's accuracy: the dropped draw no longer shapes the rings)
     assert np.allclose(g2[1:], g[1:], rtol=1e-6, atol=1e-9) and np.allclose(dg2[1:], dg[1:], rtol=1e-6, atol=1e-9)
+
+
+def test_uninformed_start_stays_on_the_branch_amp_reaches():
+    """Two-layer attention at α = 0.5 warm-started from the α = 0.3 fixed point (q = diag(1e-3,
+    0.21), what a two-point curve 0.3, 0.5 does): the fixed point is q = (0, 0.77).  An
+    accelerated step along a secant through the first iterates (ρ̂ = 0.95) used to throw q₂₂
+    to 1, and the iteration ended near (0.96, 1), the fixed point with both layers learned,
+    without converging in 200 iterations."""
+    r = state_evolution(DeepAttention(layers=2, tokens=2), 0.5, start=np.diag([1e-3, 0.2089]))
+    assert r.converged and r.q[0, 0] < 1e-3 and abs(r.q[1, 1] - 0.77) < 0.01, r.q
+    assert r.trajectory[:, 1, 1].max() < 0.78
