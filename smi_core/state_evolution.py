@@ -403,8 +403,8 @@ class _Anderson:
     as AMP does, until the map contracts over the whole history (ρ̂ < 1) and while an entry of
     F grows with a steady sign (an iterate escaping an unstable fixed point, q ≈ 0 above a
     weak-recovery threshold); it extrapolates only within a trust region: along F and no
-    further than the predicted distance |F|/(1 − ρ̂), at most 4|F| (a longer step is
-    shortened).  The history restarts whenever the residual grows."""
+    further than the predicted distance |F|/(1 − ρ̂), at most 4|F| from a two-point history
+    (a longer step is shortened).  The history restarts whenever the residual grows."""
 
     def __init__(self, memory: int):
         self.memory, self.X, self.G = memory, [], []
@@ -442,12 +442,12 @@ class _Anderson:
         # trust region: along the residual where it is steady, and no further than the
         # predicted distance; else it is a jump towards another (possibly unstable) fixed point
         step = x - self.X[-1]
-        # predicted distance, but at most 4 residuals: a secant through the first steps of a
-        # nonlinear map (two-layer attention at α = 0.5 from q = diag(0, 0.21): ρ̂ = 0.95) once
+        # predicted distance, and from a two-point history at most 4 residuals: a secant through
+        # the first steps of a nonlinear map (two-layer attention at α = 0.5 from q = diag(0, 0.21): ρ̂ = 0.95) once
         # threw q₂₂ from 0.31 to 1, into the basin of the fixed point with both layers learned;
         # an entry whose residual is 0 (an unlearned layer at q = 0) stays put
         reach = np.where(np.abs(f) > 1e-12, np.maximum(np.abs(f), 0.01 * np.abs(f).max()), 1e-12)
-        reach = reach / max(1 - self.contraction(), 0.25)
+        reach = reach / (max(1 - self.contraction(), 0.25) if len(F) < 3 else 1 - self.contraction())
         along = (np.sign(step) == np.sign(f)) | ~steady
         if not along.all():
             return self.G[-1]
