@@ -160,11 +160,11 @@ class DeepAttention(SMIModel):
         of ½ ± the same amount)."""
         T, L = self.tokens, self.layers
         y = np.asarray(y, dtype=np.float64)
-        inside = ((y > 0) & (y <= 1)).reshape(len(y), -1).all(axis=1)      # as validate.softmax_output
-        inside &= np.abs(y.sum(axis=-1) - 1).reshape(len(y), -1).max(axis=1) <= 1e-9
-        x = np.concatenate([np.where(inside[:, None, None], y, 1.0 / T).reshape(len(y), -1),
-                            np.zeros((len(y), (L - 1) * T))], axis=1)
-        return inside & self._consistent(x[:, :T * T].reshape(y.shape), self.kernel("reparam")(x, self.params), tol)
+        inside, err = validate.softmax_range(y)
+        inside &= err <= 1e-9
+        y = np.where(inside[:, None, None], y, 1.0 / T)        # the kernel sees only valid rows
+        x = np.concatenate([y.reshape(len(y), -1), np.zeros((len(y), (L - 1) * T))], axis=1)
+        return inside & self._consistent(y, self.kernel("reparam")(x, self.params), tol)
 
     @staticmethod
     def _consistent(y, out, tol):

@@ -135,8 +135,7 @@ class _Draws:
 
     def mean(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean over samples and its standard error from the block means."""
-        blocks = self.blocks(values)
-        return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
+        return _summary(self.blocks(values))
 
     def controlled(self, values: np.ndarray, control: np.ndarray) -> np.ndarray:
         """values − c·control, entry by entry, for a ``control`` of mean zero: c = Cov(v, d)/Var(d)
@@ -150,6 +149,11 @@ class _Draws:
         var = (dc ** 2).mean(axis=0)
         c = ((v - v.mean(axis=0)) * dc).mean(axis=0) / np.where(var > 0, var, 1.0)
         return values - c * control
+
+
+def _summary(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mean of BLOCKS block estimates and its standard error, their spread / √BLOCKS."""
+    return blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
 
 
 def _spectral(q: np.ndarray, f) -> np.ndarray:
@@ -232,8 +236,7 @@ class _Problem:
             gg = self.draws.controlled(gg, gg + np.einsum("natbt->nab", J))
         blocks = alpha * self.draws.blocks(gg)
         log_z, log_z_err = self.draws.mean(log_z)
-        return (blocks.mean(axis=0), blocks.std(axis=0, ddof=1) / np.sqrt(BLOCKS), float(log_z),
-                float(log_z_err), blocks)
+        return *_summary(blocks), float(log_z), float(log_z_err), blocks
 
     def fixed_point_stderr(self, q: np.ndarray, alpha: float, q_hat: np.ndarray,
                            blocks: np.ndarray) -> np.ndarray:
@@ -439,15 +442,16 @@ class _Anderson:
         dF, dG = np.diff(F, axis=0), np.diff(self.G, axis=0)
         gamma = np.linalg.lstsq(dF.T, f, rcond=None)[0]
         x = self.G[-1] - dG.T @ gamma
-        # trust region: along the residual where it is steady, and no further than the
-        # predicted distance; else it is a jump towards another (possibly unstable) fixed point
+        # trust region: along the residual where it is steady (else it is a jump towards another,
+        # possibly unstable, fixed point), and no further than the predicted distance — from a
+        # two-point history at most 4 residuals: a secant through the first steps of a nonlinear
+        # map (two-layer attention, α = 0.5, from q = diag(0, 0.21): ρ̂ = 0.95) once threw q₂₂
+        # from 0.31 to 1, into the basin of the fixed point with both layers learned.  An entry
+        # whose residual is 0 (an unlearned layer at q = 0) stays put; a longer step is shortened.
         step = x - self.X[-1]
-        # predicted distance, and from a two-point history at most 4 residuals: a secant through
-        # the first steps of a nonlinear map (two-layer attention at α = 0.5 from q = diag(0, 0.21): ρ̂ = 0.95) once
-        # threw q₂₂ from 0.31 to 1, into the basin of the fixed point with both layers learned;
-        # an entry whose residual is 0 (an unlearned layer at q = 0) stays put
+        gap = 1 - self.contraction()
         reach = np.where(np.abs(f) > 1e-12, np.maximum(np.abs(f), 0.01 * np.abs(f).max()), 1e-12)
-        reach = reach / (max(1 - self.contraction(), 0.25) if len(F) < 3 else 1 - self.contraction())
+        reach = reach / (max(gap, 0.25) if len(F) < 3 else gap)
         along = (np.sign(step) == np.sign(f)) | ~steady
         if not along.all():
             return self.G[-1]

@@ -28,15 +28,21 @@ def positive(name: str, value: float, allow_zero: bool = False) -> float:
     return value
 
 
+def softmax_range(y: np.ndarray, tol: float = 1e-9) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample of y (n, T, T): whether every entry is in (0, 1], and the largest |row sum − 1|
+    (the softmax range is both, the latter ≤ tol; see ``softmax_output``)."""
+    inside = ((y > 0) & (y <= 1)).reshape(len(y), -1).all(axis=1)
+    return inside, np.abs(y.sum(axis=2) - 1).max(axis=1)
+
+
 def softmax_output(name: str, y: np.ndarray, tol: float = 1e-9) -> None:
     """y (n, T, T) must be row-stochastic with entries in (0, 1].  An entry of exactly 1.0 is
     accepted as the float64 rounding of 1 - tiny (the row's other entries, > 0, still carry the
     log-ratios); an entry ≤ 0 carries no pre-image and is rejected."""
-    inside = (y > 0) & (y <= 1)
+    inside, err = softmax_range(y, tol)
     if not inside.all():
-        row = int(np.argmax(~inside.reshape(len(y), -1).all(axis=1)))
+        row = int(np.argmax(~inside))
         raise ValueError(f"{name} must have entries inside (0, 1) (softmax range); sample {row} does not")
-    err = np.abs(y.sum(axis=2) - 1).max(axis=1)
     if (err > tol).any():
         row = int(np.argmax(err > tol))
         raise ValueError(f"{name} rows must sum to 1 (softmax range); sample {row} is off by {err[row]:.3g}")
