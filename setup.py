@@ -19,9 +19,11 @@ class ParallelBuildExt(build_ext):
 
 extensions = [Extension(f"generated.{p.stem}", [str(p)], **OPENMP)
               for p in sorted(Path("generated").glob("*.pyx"))]
-# the channel's moment sums vectorise with the host's vector unit (built where it runs: pip install)
+# the channel's moment sums vectorise with the host's vector unit (built where it runs: pip install);
+# -fno-trapping-math lets the vectoriser turn the clamp of smi_exp_neg into a select
 extensions.append(Extension("smi_core._quadrature", ["smi_core/_quadrature.pyx"],
-                            extra_compile_args=OPENMP["extra_compile_args"] + ["-march=native"],
+                            extra_compile_args=OPENMP["extra_compile_args"]
+                            + ["-march=native", "-fno-trapping-math"],
                             extra_link_args=OPENMP["extra_link_args"]))
 setup(ext_modules=cythonize(extensions, language_level=3, nthreads=2, quiet=True),
       cmdclass={"build_ext": ParallelBuildExt})

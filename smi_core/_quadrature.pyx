@@ -40,29 +40,33 @@ cdef extern from *:
     """
     #include <stdint.h>
     #include <string.h>
-    /* e^x for -700 <= x <= 0 (e^-700 below), inlined: x = (8m + j) ln2/8 + r with |r| <= ln2/16
-       (Cody-Waite, k ln2_hi/8 exact for |k| < 2^16), e^x = 2^m 2^(j/8) e^r with the table
-       2^(j/8) (correctly rounded) and e^r by its Taylor polynomial of degree 7 (truncation
-       < 3e-16; Estrin's scheme, short dependency chains).  Relative error <= 7.2e-16 against
-       libm on [-50, 0]; the weights of the moment sums are all e^(lw - max) with lw - max in
-       [-45, 0], so this replaces a libm call per term. */
-    static const double SMI_EXP2_8[8] = {
-        0x1.0000000000000p+0, 0x1.172b83c7d517bp+0, 0x1.306fe0a31b715p+0, 0x1.4bfdad5362a27p+0,
-        0x1.6a09e667f3bcdp+0, 0x1.8ace5422aa0dbp+0, 0x1.ae89f995ad3adp+0, 0x1.d5818dcfba487p+0};
+    /* e^x for -700 <= x <= 0 (e^-700 below), inlined and vectorisable with AVX2 as with AVX-512
+       (no double -> int64 conversion, no table gather): x = k ln2 + r with |r| <= ln2/2
+       (Cody-Waite, k ln2_hi exact for |k| < 2^21), k = round(x/ln2) read from the low bits of
+       x/ln2 + 1.5*2^52, e^x = 2^k e^r with e^r by its Taylor polynomial of degree 13
+       (truncation < 2e-16; Estrin's scheme, short dependency chains).  Relative error
+       <= 4.4e-16 against libm on [-700, 0]; the weights of the moment sums are all e^(lw - max)
+       with lw - max in [-45, 0], so this replaces a libm call per term.  The clamp is a select
+       only under -fno-trapping-math (setup.py), which the vectoriser needs. */
     static inline double smi_exp_neg(double x) {
-        x = x > -700.0 ? x : -700.0;                       /* branch-free: e^-700 ~ 1e-304 */
+        x = x > -700.0 ? x : -700.0;                       /* e^-700 ~ 1e-304 */
         const double shift = 6755399441055744.0;           /* 1.5 * 2^52: round to nearest */
-        double k = (x * 11.541560327111707 + shift) - shift;
-        double r = (x - k * 0.08664339756978734) - k * 2.0582436978621353e-13;
-        double r2 = r * r, r4 = r2 * r2;
-        double p = ((1.0 + r) + r2 * (0.5 + r * 1.6666666666666667e-01))
-                 + r4 * ((4.1666666666666667e-02 + r * 8.3333333333333333e-03)
-                         + r2 * (1.3888888888888889e-03 + r * 1.9841269841269841e-04));
-        int64_t ki = (int64_t) k;
-        int64_t bits = ((ki >> 3) + 1023) << 52;            /* floor(k / 8): arithmetic shift */
-        double two_m;
-        memcpy(&two_m, &bits, sizeof two_m);
-        return p * SMI_EXP2_8[ki & 7] * two_m;
+        double kd = x * 1.4426950408889634 + shift;
+        double k = kd - shift;
+        double r = (x - k * 0.6931471803691238) - k * 1.9082149292705877e-10;
+        double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+        double p = ((1.0 + r) + r2 * (0.5 + r * 1.6666666666666666e-01))
+                 + r4 * ((4.1666666666666664e-02 + r * 8.3333333333333332e-03)
+                         + r2 * (1.3888888888888889e-03 + r * 1.9841269841269841e-04))
+                 + r8 * (((2.4801587301587302e-05 + r * 2.7557319223985893e-06)
+                          + r2 * (2.7557319223985888e-07 + r * 2.5052108385441720e-08))
+                         + r4 * (2.0876756987868100e-09 + r * 1.6059043836821613e-10));
+        uint64_t bits;                                      /* low 12 bits: k mod 2^12 */
+        memcpy(&bits, &kd, sizeof bits);
+        bits = (bits + 1023) << 52;                         /* the exponent field k + 1023 */
+        double two_k;
+        memcpy(&two_k, &bits, sizeof two_k);
+        return p * two_k;
     }
 
     /* The polar node loops (integrate_polar, L = 2 and 3, T = 2) for one sample over K of its
