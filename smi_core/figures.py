@@ -1,6 +1,8 @@
 """Figures: learning curves, the staircase of thresholds and the phase diagram."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 
@@ -28,13 +30,19 @@ def plot_learning_curve(curve, path: str, title: str = "") -> None:
     right.set(xlabel=r"$\alpha$", ylabel="prediction error", title="prediction error")
     right.legend()
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _wrap(title: str) -> str:
     import textwrap
     return "\n".join(textwrap.wrap(title, 90))
+
+
+def _save(plt, fig, path: str) -> None:
+    """Write the figure (creating its folder: a long run must not fail at its last step)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _axes(ncols: int = 1, width: float = 6):
@@ -78,8 +86,7 @@ def plot_staircase(staircase, path: str, curve=None, layers: bool = True, title:
     ax.set(xlabel=r"$\alpha$", ylabel="overlap / learned fraction", xlim=(0, top), ylim=(-0.02, 1.08))
     ax.legend(fontsize=8, loc="center right")
     ax.set_title(_wrap(title), fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_phase_diagram(diagram, path: str, layers: bool = True, title: str = "") -> None:
@@ -99,5 +106,4 @@ def plot_phase_diagram(diagram, path: str, layers: bool = True, title: str = "")
            ylabel=r"$\alpha$", ylim=(0, top))
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(_wrap(title), fontsize=8)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -276,7 +276,7 @@ def test_bad_input_is_a_value_error(kwargs, match):
 
 def test_cli_se_json_csv_and_figure(tmp_path, capsys):
     from smi_core.cli import main
-    csv, png = tmp_path / "se.csv", tmp_path / "se.png"
+    csv, png = tmp_path / "se.csv", tmp_path / "figures" / "se.png"     # the folder is made
     code = main(["se", "--alphas", "0.3,0.6", "--samples", "256", "--nodes", "6", "--quiet",
                  "--csv", str(csv), "--plot", str(png), "--json", "--stderr-tol", "1.0"])
     assert code == 0
