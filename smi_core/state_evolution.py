@@ -49,6 +49,7 @@ DISTINCT = 1e-2               # two fixed points differ when some |Δq| exceeds 
 STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
 MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws grow up to this many
+RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 
 
 @dataclass
@@ -238,21 +239,15 @@ class _Problem:
         log_z, log_z_err = self.draws.mean(log_z)
         return *_summary(blocks), float(log_z), float(log_z_err), blocks
 
-    def fixed_point_stderr(self, q: np.ndarray, alpha: float, q_hat: np.ndarray,
-                           blocks: np.ndarray) -> np.ndarray:
-        """Standard error of the fixed point q* = u(q̂(q*)) (u = ``update``) by the delta method:
-        block b's estimate q̂_b moves it by δq*_b = (I − J)⁻¹ (u(q̂_b) − u(q̂)), J = ∂(u∘q̂)/∂q at
-        q* (near a transition an eigenvalue of J → 1: the fixed point is that much less
-        determined).  J by one-sided differences along each symmetric direction E_ab, step 1 %
-        of √(V_aa V_bb) (within [1e-6, 1e-3], inwards at the upper bound), on the same draws
-        (common random numbers) but only the first 1/8 of each block (at least 128: J needs
-        ≈ 10 % accuracy, not q*'s); its spectral radius is capped at 0.99 (at most ×100)."""
+    def jacobian(self, q: np.ndarray, alpha: float) -> np.ndarray:
+        """J = ∂(u∘q̂)/∂q at q (u = ``update``) on the upper-triangle entries, by one-sided
+        differences along each symmetric direction E_ab, step 1 % of √(V_aa V_bb) (within
+        [1e-6, 1e-3], inwards at the upper bound), on the same draws (common random numbers) but
+        only the first 1/8 of each block (at least 128: J needs ≈ 10 % accuracy, not q*'s); its
+        spectral radius is capped at RHO_CAP.  R(R+1)/2 + 1 evaluations of the map on 1/8 of the
+        draws."""
         R = self.R
         rows, cols = np.triu_indices(R)
-        base = np.array([self.update(b) for b in blocks]) - self.update(q_hat)
-        dev = base[:, rows, cols]
-        if not dev.any():
-            return np.zeros((R, R))
         per = self.draws.per
         self.draws.use(min(per, max(per // BLOCKS, 128)))
         try:
@@ -269,8 +264,24 @@ class _Problem:
         finally:
             self.draws.use(per)
         rho = np.abs(np.linalg.eigvals(J)).max()
-        if rho > 0.99:
-            J *= 0.99 / rho
+        return J * (RHO_CAP / rho) if rho > RHO_CAP else J
+
+    def fixed_point_distance(self, q: np.ndarray, q_hat: np.ndarray, J: np.ndarray) -> float:
+        """max |q* − q| by one Newton step of the fixed point: (I − J)⁻¹ (u(q̂) − q)."""
+        rows, cols = np.triu_indices(self.R)
+        r = (self.update(q_hat) - q)[rows, cols]
+        return float(np.abs(np.linalg.solve(np.eye(len(rows)) - J, r)).max())
+
+    def fixed_point_stderr(self, q_hat: np.ndarray, blocks: np.ndarray, J: np.ndarray) -> np.ndarray:
+        """Standard error of the fixed point q* = u(q̂(q*)) by the delta method: block b's
+        estimate q̂_b moves it by δq*_b = (I − J)⁻¹ (u(q̂_b) − u(q̂)), J = ``jacobian`` at q*
+        (near a transition an eigenvalue of J → 1: the fixed point is that much less
+        determined; the cap RHO_CAP bounds the amplification at 1/(1 − RHO_CAP))."""
+        R = self.R
+        rows, cols = np.triu_indices(R)
+        dev = (np.array([self.update(b) for b in blocks]) - self.update(q_hat))[:, rows, cols]
+        if not dev.any():
+            return np.zeros((R, R))
         moved = np.linalg.solve(np.eye(len(rows)) - J, dev.T).T
         se = np.zeros((R, R))
         se[rows, cols] = se[cols, rows] = moved.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
@@ -370,16 +381,22 @@ def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampi
     for it in range(1, max_iter + 1):
         q_hat, q_hat_err, log_z, log_z_err, blocks = problem.step(q, alpha)
         mix.push(q, damping * q + (1 - damping) * problem.update(q_hat))
-        converged = mix.distance() < tol or _stagnated(trajectory, tol)
+        J = None
+        converged = _stagnated(trajectory, tol)
+        if not converged and mix.distance() < tol:      # confirmed by the map's Jacobian
+            J = problem.jacobian(q, alpha)
+            converged = problem.fixed_point_distance(q, q_hat, J) < tol
         if converged or it == max_iter:
             break
         q = _project(mix.next().reshape(q.shape))
         trajectory.append(q)
+    if J is None:
+        J = problem.jacobian(q, alpha)
     bayes, bayes_err, plugin, plugin_err = problem.errors(q)
     return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
                     plugin_error=plugin, free_entropy=problem.free_entropy(q, q_hat, alpha, log_z),
                     trajectory=np.array(trajectory), stderr=q_hat_err,
-                    q_stderr=problem.fixed_point_stderr(q, alpha, q_hat, blocks),
+                    q_stderr=problem.fixed_point_stderr(q_hat, blocks, J),
                     free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
                     plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label,
                     samples=problem.draws.n)
