@@ -555,8 +555,9 @@ def learning_curve(model, alphas, *, start: str = "uninformed", progress: bool =
     alphas = np.asarray(alphas, dtype=np.float64).reshape(-1)
     if alphas.size == 0 or not np.isfinite(alphas).all() or (alphas < 0).any():
         raise ValueError("alphas must be a non-empty list of finite values ≥ 0")
-    if start not in STARTS:
-        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+    if not isinstance(start, str) or start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS} for a learning curve (an explicit q: "
+                         f"state_evolution), got {start!r}")
     _check(0.0, damping, tol, max_iter, stderr_tol, max_samples, samples)
     problem = _Problem(model, noise, side_info, samples, sampler, np.random.default_rng(seed), channel,
                        control_variate=control_variate)

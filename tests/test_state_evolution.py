@@ -274,6 +274,12 @@ def test_bad_input_is_a_value_error(kwargs, match):
         state_evolution(PR, **kwargs)
 
 
+@pytest.mark.parametrize("start", ["warm", np.eye(1)])
+def test_learning_curve_bad_start_is_a_value_error(start):
+    with pytest.raises(ValueError, match="start"):        # a matrix had raised numpy's own error
+        learning_curve(PR, [0.3], start=start, progress=False)
+
+
 def test_cli_se_json_csv_and_figure(tmp_path, capsys):
     from smi_core.cli import main
     csv, png = tmp_path / "se.csv", tmp_path / "figures" / "se.png"     # the folder is made
