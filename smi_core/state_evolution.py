@@ -11,9 +11,10 @@ The expectation is an average over ``samples`` draws of (ξ, ζ, noise), split i
 Sobol points); the standard error of every reported average is the spread of its block means
 over √BLOCKS.  The same draws are used at every iteration (common random numbers), so the
 iteration is a deterministic map (accelerated, see _Anderson); it stops when the distance to its
-fixed point, estimated as |G(q) − q| / (1 − ρ̂) (ρ̂ the map's contraction over the last steps),
-is below ``tol``, or when the iterates stagnate within a band narrower than ``tol`` without a
-monotone drift (the floor of the channel's quadrature noise, see _stagnated).
+fixed point, estimated as |G(q) − q| / (1 − ρ̂) (ρ̂ the map's contraction over the last steps)
+and confirmed by a Newton step with the map's Jacobian, is below ``tol``, or when the iterates
+stagnate within a band narrower than ``tol`` without a monotone drift (the floor of the
+channel's quadrature noise, see _stagnated).
 
 Free entropy at (q, q̂):
 
