@@ -378,15 +378,16 @@ def _iterate(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampin
 
 def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, damping: float,
               tol: float, max_iter: int, memory: int = 3) -> SEResult:
-    q, trajectory, mix = q0, [q0], _Anderson(memory)
+    q, trajectory, mix, newton = q0, [q0], _Anderson(memory), np.inf
     for it in range(1, max_iter + 1):
         q_hat, q_hat_err, log_z, log_z_err, blocks = problem.step(q, alpha)
         mix.push(q, damping * q + (1 - damping) * problem.update(q_hat))
         J = None
         converged = _stagnated(trajectory, tol)
-        if not converged and mix.distance() < tol:      # confirmed by the map's Jacobian
-            J = problem.jacobian(q, alpha)
-            converged = problem.fixed_point_distance(q, q_hat, J) < tol
+        if not converged and mix.distance() < tol:      # confirmed by the map's Jacobian, unless
+            J = problem.jacobian(q, alpha)              # that distance no longer falls between
+            last, newton = newton, problem.fixed_point_distance(q, q_hat, J)    # checks (the
+            converged = newton < tol or newton >= last                         # noise floor)
         if converged or it == max_iter:
             break
         q = _project(mix.next().reshape(q.shape))
