@@ -127,6 +127,7 @@ class Channel:
         return self._assemble(omega, V, Vinv, log_z, mean, cov, error)
 
     model_is_points = False
+    escalates = False       # whether the error estimate changes the moments (not only reports)
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask of the outputs this route accepts (here: finite)."""
@@ -314,6 +315,13 @@ class ReparamChannel(PolarRule, Channel):
     @property
     def _ring_layers(self):
         return self.model.layers - 1
+
+    @property
+    def escalates(self) -> bool:
+        """L = 2: samples whose estimate is above PINNED["escalate"] get finer rules (``_polar``);
+        without the estimate the polar result stands, off by up to 1e3 (relative) in the pinned
+        regime."""
+        return self.model.layers == 2 and self._polar_applies
 
     def _polar_params(self):
         return self.POLAR | self.POLAR_L3 if self.model.layers == 3 else self.POLAR
