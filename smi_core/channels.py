@@ -288,12 +288,15 @@ class ReparamChannel(PolarRule, Channel):
 
     route, _route_id, _delta, _n_data_noise = "reparam", 0, 0.0, 0
 
-    def __init__(self, model, **options):
+    def __init__(self, model, escalate: float | None = None, **options):
+        """``escalate`` (L = 2): the estimate above which a sample gets finer rules (default
+        PINNED["escalate"]; ``tol`` when given)."""
         spec = model.spec
         if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
             raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
                              "use noise=Δ > 0 for the noisy route")
         super().__init__(model, **options)
+        self.escalate = self.PINNED["escalate"] if escalate is None else validate.positive("escalate", escalate)
         self._u_model = _one_layer(model, self.threads)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
@@ -318,7 +321,7 @@ class ReparamChannel(PolarRule, Channel):
 
     @property
     def escalates(self) -> bool:
-        """L = 2: samples whose estimate is above PINNED["escalate"] get finer rules (``_polar``);
+        """L = 2: samples whose estimate is above ``escalate`` get finer rules (``_polar``);
         without the estimate the polar result stands, off by up to 1e3 (relative) in the pinned
         regime."""
         return self.model.layers == 2 and self._polar_applies
@@ -350,12 +353,12 @@ class ReparamChannel(PolarRule, Channel):
 
     def _polar_target(self):
         return self.tol if self.tol is not None else (
-            self.PINNED["escalate"] if self.model.layers == 2 and self.error_estimate else None)
+            self.escalate if self.model.layers == 2 and self.error_estimate else None)
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
-        L = 2 (with the estimate): tol defaults to PINNED["escalate"], and samples still above
+        L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
         it are integrated again by the adaptive rule (``_pinned``), kept where its estimate is
         lower."""
         log_z, mean, cov, error = super()._polar(y, omega, V, Vinv, logdetV)

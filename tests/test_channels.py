@@ -688,6 +688,7 @@ def test_bad_input_t3_inconsistent_output():
     (dict(noise=0.0), "noise"), (dict(noise=-1.0), "noise"), (dict(noise=float("nan")), "noise"),
     (dict(tol=0.0), "tol"), (dict(tol=-1e-7), "tol"), (dict(nodes=1), "nodes"),
     (dict(route="other"), "route"), (dict(route="noisy"), "noise"),
+    (dict(escalate=0.0), "escalate"), (dict(escalate=float("nan")), "escalate"),
 ])
 def test_bad_channel_options(options, match):
     with pytest.raises(ValueError, match=match):
