@@ -152,7 +152,7 @@ def _problem(model, noise, samples, rng, sampler, channel, xi=True) -> _Problem:
     """Draws of (ξ, ζ, η), or of (ζ, η) at q = 0, widened by _spread; ``channel`` options or
     a channel already built (it is then shared).  Unlike state evolution, the thresholds skip
     the channel's error estimate unless the options ask for it, so two-layer pinned samples
-    keep the polar rule: α₁ (c = 1, 2¹⁵ draws) is 0.72098 ± 0.0016 so and 0.72101 ± 0.0022 with
+    keep the polar rule: α₁ (c = 1, 2¹⁵ draws) is 0.72098 ± 0.0016 that way and 0.72101 ± 0.0022 with
     the escalation, which takes the staircase from 6 s to 113 s and the 16-skip phase diagram
     from 47 s to 945 s (``channel={"error_estimate": True}`` escalates)."""
     if not hasattr(channel, "moments"):
