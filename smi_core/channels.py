@@ -31,7 +31,8 @@ nodes depend on the sample only through V and the |ω_ℓ|, so samples with the 
 once per node, and each sample adds only h_L = Φ⁻¹u_L and the 2^L terms (each earlier layer
 reflected or not — Φ is even in each — and the sign of u_L; the nodes of each layer cover a half
 plane).  Samples whose posterior over an earlier layer is narrow (``ReparamChannel.POLAR_MIN_SD``)
-keep the Laplace rule, on which the cliffs are smooth.  Neither rule resolves a pinned last
+keep the Laplace rule, on which the cliffs are smooth; just above that width both rules run and
+their posteriors are blended (``_blend``), so the moments are continuous in V.  Neither rule resolves a pinned last
 layer (V_LL small) with broad earlier layers: the posterior then collapses onto the pre-image of
 a small ball in h_L (see the README).  The prior component of the partition sits e^-40 below the highest mode: its rule is
 on the prior's scale and cannot resolve a narrow posterior, and with a near-singular V the
@@ -115,16 +116,15 @@ class Channel:
             u = self._prepare(y, omega, V)[0]
             log_z, mean, cov = self._points(u, omega, Vinv, logdetV)
             return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
-        log_z, mean, cov, error = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT)), np.empty(n)
-        polar = self._polar_samples(omega, V)
-        parts = [(np.flatnonzero(~polar), self._laplace)]
-        if polar.any():
-            parts.append((np.flatnonzero(polar), self._polar))
-        for idx, method in parts:
+        weight = self._polar_weight(omega, V)
+        runs = []
+        for idx, method in ((np.flatnonzero(weight < 1), self._laplace), (np.flatnonzero(weight > 0), self._polar)):
+            out = np.zeros(n), np.zeros((n, RT)), np.zeros((n, RT, RT)), np.zeros(n)
             if idx.size:
-                log_z[idx], mean[idx], cov[idx], error[idx] = method(
-                    y[idx], omega[idx], V[idx], Vinv[idx], logdetV[idx])
-        return self._assemble(omega, V, Vinv, log_z, mean, cov, error)
+                for a, b in zip(out, method(y[idx], omega[idx], V[idx], Vinv[idx], logdetV[idx])):
+                    a[idx] = b
+            runs.append(out)
+        return self._assemble(omega, V, Vinv, *_blend(weight, *runs))
 
     model_is_points = False
     escalates = False       # whether the error estimate changes the moments (not only reports)
@@ -134,9 +134,10 @@ class Channel:
         y = np.asarray(y, dtype=np.float64)
         return np.isfinite(y.reshape(len(y), -1)).all(axis=1)
 
-    def _polar_samples(self, omega, V):
-        """Samples integrated by the polar rule (see ReparamChannel); none by default."""
-        return np.zeros(len(omega), dtype=bool)
+    def _polar_weight(self, omega, V):
+        """Per sample, the weight of the polar rule (see ReparamChannel); 0 (the Laplace rule)
+        by default."""
+        return np.zeros(len(omega))
 
     def _laplace(self, y, omega, V, Vinv, logdetV):
         """Laplace modes, partition of unity, Gauss–Hermite (d ≤ 4) or randomised QMC per piece;
@@ -270,6 +271,20 @@ def _inverse_logdet(mix):
     with np.errstate(divide="ignore", invalid="ignore"):
         out[:4] /= phi[0] * phi[3] - phi[1] * phi[2]
     return out
+
+
+def _blend(w, laplace, polar):
+    """The moments (log Z, E[Z], Cov[Z], error) of the mixture w·(polar posterior) +
+    (1 − w)·(Laplace posterior), per sample: log Z and the error averaged with weights w, 1 − w,
+    Cov the mixture's, Σ_k w_k (Cov_k + d_k d_kᵀ) with d_k = E_k[Z] − E[Z] (exactly the polar or
+    the Laplace moments at w = 1 or 0; a rule a sample did not run holds zeros)."""
+    def mix(a, b):
+        wk = w.reshape((-1,) + (1,) * (a.ndim - 1))
+        return (1 - wk) * a + wk * b
+    mean = mix(laplace[1], polar[1])
+    d_l, d_p = laplace[1] - mean, polar[1] - mean
+    cov = mix(laplace[2] + d_l[:, :, None] * d_l[:, None, :], polar[2] + d_p[:, :, None] * d_p[:, None, :])
+    return mix(laplace[0], polar[0]), mean, cov, mix(laplace[3], polar[3])
 
 
 def _combine(runs):
