@@ -272,28 +272,29 @@ class _Problem:
         rho = np.abs(np.linalg.eigvals(J)).max()
         return J * (RHO_CAP / rho) if rho > RHO_CAP else J
 
+    def _resolvent(self, J: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """(I − J)⁻¹ r for symmetric R×R matrices r (…, R, R), on their upper-triangle entries:
+        how far a change r of the map's value moves its fixed point.  Returns (…, R, R)."""
+        rows, cols = np.triu_indices(self.R)
+        flat = r[..., rows, cols]
+        moved = np.linalg.solve(np.eye(len(rows)) - J, flat.reshape(-1, len(rows)).T).T.reshape(flat.shape)
+        out = np.zeros(r.shape)
+        out[..., rows, cols] = out[..., cols, rows] = moved
+        return out
+
     def newton_step(self, q: np.ndarray, q_hat: np.ndarray, J: np.ndarray) -> np.ndarray:
         """The Newton step to the fixed point, q* − q ≈ (I − J)⁻¹ (u(q̂) − q), as an R×R matrix."""
-        rows, cols = np.triu_indices(self.R)
-        r = (self.update(q_hat) - q)[rows, cols]
-        step = np.zeros((self.R, self.R))
-        step[rows, cols] = step[cols, rows] = np.linalg.solve(np.eye(len(rows)) - J, r)
-        return step
+        return self._resolvent(J, self.update(q_hat) - q)
 
     def fixed_point_stderr(self, q_hat: np.ndarray, blocks: np.ndarray, J: np.ndarray) -> np.ndarray:
         """Standard error of the fixed point q* = u(q̂(q*)) by the delta method: block b's
         estimate q̂_b moves it by δq*_b = (I − J)⁻¹ (u(q̂_b) − u(q̂)), J = ``jacobian`` at q*
         (near a transition an eigenvalue of J → 1: the fixed point is that much less
         determined; the cap RHO_CAP bounds the amplification at 1/(1 − RHO_CAP))."""
-        R = self.R
-        rows, cols = np.triu_indices(R)
-        dev = (np.array([self.update(b) for b in blocks]) - self.update(q_hat))[:, rows, cols]
+        dev = np.array([self.update(b) for b in blocks]) - self.update(q_hat)
         if not dev.any():
-            return np.zeros((R, R))
-        moved = np.linalg.solve(np.eye(len(rows)) - J, dev.T).T
-        se = np.zeros((R, R))
-        se[rows, cols] = se[cols, rows] = moved.std(axis=0, ddof=1) / np.sqrt(BLOCKS)
-        return se
+            return np.zeros((self.R, self.R))
+        return self._resolvent(J, dev).std(axis=0, ddof=1) / np.sqrt(BLOCKS)
 
     def shifted(self, q_hat: np.ndarray) -> np.ndarray:
         """q̂ + λI: the prior's conjugate with side information."""
