@@ -45,9 +45,9 @@ class PolarRule:
     weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
-    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25, pr=0.5)
+    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25, pr=0.5,
+                 blend=0.0)
     POLAR_MIN_SD = 0.2
-    POLAR_BLEND = 0.25                  # both rules, blended, for s/POLAR_MIN_SD in [1, 1 + this]
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
     POLAR_NODE_CHUNK = 1 << 15          # nodes set up at a time (the temporaries stay in cache)
@@ -55,17 +55,18 @@ class PolarRule:
 
     def _polar_weight(self, omega, V):
         """The weight of the polar rule per sample: 1 where the prior of every ring layer ℓ
-        conditioned on the other layers is broad, s = min_ℓ 1/√(V⁻¹)_ℓℓ ≥ (1 + POLAR_BLEND)
+        conditioned on the other layers is broad, s = min_ℓ 1/√(V⁻¹)_ℓℓ ≥ (1 + blend)
         POLAR_MIN_SD; 0 (the Laplace-centred Gauss–Hermite rule: the softmax cliffs are then
         smooth on the posterior's scale) below POLAR_MIN_SD; linear in s between, where the
         channel returns the mixture of both rules' posteriors (``channels._blend``), so that the
-        moments stay continuous in V: a hard switch made G(q) jump, e.g. three-layer state
-        evolution at α = 1.5 cycled about the switch with an amplitude of 1.5e-3 in q₁₁."""
+        moments stay continuous in V where the two rules disagree (``blend`` of the ring
+        parameters; 0: a hard switch)."""
         if not self._polar_applies:
             return np.zeros(len(omega))
         prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)[:, :self._ring_layers]
-        s = 1.0 / np.sqrt(prec.max(axis=1))
-        return np.clip((s / self.POLAR_MIN_SD - 1) / self.POLAR_BLEND, 0.0, 1.0)
+        above = 1.0 / (self.POLAR_MIN_SD * np.sqrt(prec.max(axis=1))) - 1
+        blend = self._polar_params()["blend"]
+        return np.clip(above / blend, 0.0, 1.0) if blend > 0 else (above >= 0).astype(float)
 
     def _polar_params(self):
         """The ring parameters (POLAR, with any per-model changes)."""
