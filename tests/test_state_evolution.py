@@ -384,14 +384,15 @@ def test_converged_means_within_tol_of_the_fixed_point():
     assert high.q[1, 1] > 0.01, high.q
 
 
-@pytest.mark.parametrize("q, polar_off", [((0.59, 0.995), (0, 1.8e-3)), ((0.95, 0.998), (1, 1.2e-3))])
+@pytest.mark.parametrize("q, polar_off", [((0.59, 0.995), 0), ((0.95, 0.998), 1)])
 def test_se_channel_resolves_the_pinned_regime(q, polar_off):
     """Two layers with the last layer nearly learned, q = diag(0.59, 0.995) (α ≈ 0.9) and
     diag(0.95, 0.998) (layer 1's conditional sd 0.22, just above the polar rule's threshold): the
-    polar rule alone is off on pinned samples (q̂₁₁ by 0.18 %, q̂₂₂ by 0.12 % on these 256
-    draws), so SE's channel keeps the estimate that sends them to finer rules: each entry of q̂
-    agrees with the tol = 1e-7 channel to 1e-6 (measured ≤ 3.6e-7; mixing in the Laplace rule
-    above the threshold, as three layers do, put q̂₁₁ 5.2e-5 off)."""
+    polar rule alone is off on pinned samples (on these 256 draws q̂₁₁ by 0.18 % at the first q,
+    q̂₂₂ by 0.12 % at the second; entry ``polar_off`` is checked at 0.1 %), so SE's channel keeps
+    the estimate that sends them to finer rules: each entry of q̂ agrees with the tol = 1e-7
+    channel to 1e-6 (measured ≤ 3.6e-7; mixing in the Laplace rule above the threshold, as three
+    layers do, put q̂₁₁ 5.2e-5 off)."""
     from smi_core.state_evolution import _Problem
     model, q = DeepAttention(layers=2, tokens=2), np.diag(q)
 
@@ -400,5 +401,4 @@ def test_se_channel_resolves_the_pinned_regime(q, polar_off):
 
     reference = q_hat({"tol": 1e-7})
     assert (np.abs(q_hat(None) - reference) <= 1e-6 * reference).all()
-    entry, off = polar_off
-    assert np.abs(q_hat({"error_estimate": False}) - reference)[entry] > 0.5 * off * reference[entry]
+    assert np.abs(q_hat({"error_estimate": False}) - reference)[polar_off] > 1e-3 * reference[polar_off]
