@@ -225,18 +225,10 @@ class Channel:
         return (log_z, mean, second), achieved
 
     def _spread(self, runs, omega, V, Vinv, ref):
-        """max over (g_out, dg_out) entries of the spread between runs (two rules: their
-        difference; several scramblings: their standard deviation), over the largest entry."""
-        n = len(omega)
-        parts = []
-        for log_z, mean, second in runs:
-            cov = second - mean[:, :, None] * mean[:, None, :]
-            m = self._assemble(omega, V, Vinv, log_z, ref + mean, cov, None, check=False)
-            parts.append(np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1))
-        parts = np.array(parts)
-        spread = np.abs(parts[0] - parts[1]) if len(parts) == 2 else parts.std(axis=0, ddof=1)
-        scale = np.abs(parts).max(axis=(0, 2))
-        return spread.max(axis=1) / np.where(scale > 0, scale, 1.0)
+        """``_spread_of`` the runs' moments; a run is (log Z, E[Z] - ref, E[(Z - ref)(Z - ref)ᵀ])."""
+        return _spread_of([self._assemble(omega, V, Vinv, log_z, ref + mean,
+                                          second - mean[:, :, None] * mean[:, None, :], None, check=False)
+                           for log_z, mean, second in runs])
 
     def _assemble(self, omega, V, Vinv, log_z, mean, cov, error, check=True) -> Moments:
         n, R, T = len(omega), self.R, self.T
@@ -253,6 +245,16 @@ class Channel:
                 raise FloatingPointError(f"non-finite channel moment at sample {bad} "
                                          f"({self.route} route)")
         return Moments(log_z=log_z, g_out=g_out, dg_out=dg_out, error=error)
+
+
+def _spread_of(moments):
+    """max over (g_out, dg_out) entries of the spread between the moments (two rules: their
+    difference; several scramblings: their standard deviation), over the largest entry."""
+    n = len(moments[0].g_out)
+    parts = np.array([np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1) for m in moments])
+    spread = np.abs(parts[0] - parts[1]) if len(parts) == 2 else parts.std(axis=0, ddof=1)
+    scale = np.abs(parts).max(axis=(0, 2))
+    return spread.max(axis=1) / np.where(scale > 0, scale, 1.0)
 
 
 def _one_layer(model, threads):
@@ -407,11 +409,7 @@ class ReparamChannel(PolarRule, Channel):
             return out
         cross = self.PINNED["cross"]
         better = self._pinned(y, omega, V, Vinv, logdetV, tol=self.tol * cross)
-        a, b = (self._assemble(omega, V, Vinv, *r[:3], None, check=False) for r in (out, better))
-        flat = [np.concatenate([m.g_out.reshape(len(omega), -1), m.dg_out.reshape(len(omega), -1)], 1)
-                for m in (a, b)]
-        scale = np.maximum(np.abs(flat[1]).max(axis=1), 1e-300)
-        differ = np.abs(flat[0] - flat[1]).max(axis=1) / scale
+        differ = _spread_of([self._assemble(omega, V, Vinv, *r[:3], None, check=False) for r in (out, better)])
         return (*better[:3], np.maximum(better[3] / cross, differ))
 
     # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --

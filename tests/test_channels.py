@@ -274,31 +274,33 @@ def test_reparam_l2_state_evolution_draws(correlated, data):
     check_l2(data.draw(se_draws(2, correlated=correlated)))
 
 
+Q_NEAR_SINGULAR = np.array([[0.681553038265343, -0.26036692192505667], [-0.26036692192505667, 0.7854495736160405]])
+NEAR_SINGULAR = Draw(y=np.array([[0.9885683523297595, 0.01143164767024055],
+                                 [0.012937935600836344, 0.9870620643991636]]),
+                     omega=np.array([[0.9450008978431229, -1.7350580184536326],
+                                     [-0.7922034229392325, 1.110551667148496]]),
+                     V=np.eye(2) - Q_NEAR_SINGULAR, kind="se-correlated", q=Q_NEAR_SINGULAR)
+
+
 def test_reparam_l2_correlated_near_singular_draw():
     """Found by test_reparam_l2_state_evolution_draws[q-correlated] (randomised then): a
     near-singular V (eigenvalues 0.53, 1.0e-3) at an angle to the layers makes the posterior a
     thin curved ridge; the Laplace rule alone was off by 1.3e-6 while estimating 8.8e-8 (now
     cross-checked by the adaptive rule: 4.2e-10).  An independent brute-force rule (composite
     Gauss–Legendre over the ridge's box) agrees with the reference to 5.7e-11."""
-    q = np.array([[0.681553038265343, -0.26036692192505667], [-0.26036692192505667, 0.7854495736160405]])
-    check_l2(Draw(y=np.array([[0.9885683523297595, 0.01143164767024055],
-                              [0.012937935600836344, 0.9870620643991636]]),
-                  omega=np.array([[0.9450008978431229, -1.7350580184536326],
-                                  [-0.7922034229392325, 1.110551667148496]]),
-                  V=np.eye(2) - q, kind="se-correlated", q=q))
+    check_l2(NEAR_SINGULAR)
 
 
 def test_reparam_l2_laplace_path_is_cross_checked():
     """With ``tol`` the Laplace-path samples of two layers are integrated again by the adaptive
     rule: on the draw above the result is within 1e-6 and the error estimate covers the actual
     error (it did not: 8.8e-8 against 1.3e-6); without ``tol`` the Laplace rule stands."""
-    q = np.array([[0.681553038265343, -0.26036692192505667], [-0.26036692192505667, 0.7854495736160405]])
-    y = np.array([[[0.9885683523297595, 0.01143164767024055], [0.012937935600836344, 0.9870620643991636]]])
-    omega = np.array([[[0.9450008978431229, -1.7350580184536326], [-0.7922034229392325, 1.110551667148496]]])
-    r = ref.reparam_l2(y[0], omega[0], np.eye(2) - q)
-    with_tol = channel(2).moments(y, omega, np.eye(2) - q)
-    plain = model(2).channel().moments(y, omega, np.eye(2) - q)
-    assert channel(2)._polar_weight(omega, (np.eye(2) - q)[None])[0] == 0      # the Laplace path
+    d = NEAR_SINGULAR
+    y, omega = d.y[None], d.omega[None]
+    r = ref.reparam_l2(d.y, d.omega, d.V)
+    with_tol = channel(2).moments(y, omega, d.V)
+    plain = model(2).channel().moments(y, omega, d.V)
+    assert channel(2)._polar_weight(omega, d.V[None])[0] == 0      # the Laplace path
     err = ref.metric(with_tol.g_out[0], with_tol.dg_out[0], r.g_out, r.dg_out)
     assert err <= RTOL and err <= with_tol.error[0]
     assert ref.metric(plain.g_out[0], plain.dg_out[0], r.g_out, r.dg_out) > 1e-7
