@@ -598,44 +598,89 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta, &nodes[0, 0],
-                          nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
+                          nodes.shape[0], nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
                           seg_ptr[i + 1] - seg_ptr[i], &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
+def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long R2,
+                  const double[:, ::1] x1, const double[::1] lw1, const long[::1] start1,
+                  const long[::1] count1, const double[:, ::1] x2, const double[::1] lw2,
+                  const long[::1] start2, const long[::1] count2, double[:, ::1] x, double[::1] lw,
+                  int threads=0):
+    """The product of one or two layers' ring rules (``PolarRule._polar_nodes``), block by
+    block: block b (a flat index into (groups, R1 rings[, R2 rings])) holds the pairs of ring j
+    of layer 1 and ring l of layer 2 of group g, b = (g·R1 + j)·R2 + l, layer 2 fastest, from
+    row offset[b] of x (node coordinates, 2 per layer) and lw (the sum of the layers' log
+    weights).  A layer's nodes are its rings' nodes one after the other (ring r from start[r],
+    count[r] nodes; groups in order).  R2 = 0: one layer, b = g·R1 + j."""
+    cdef Py_ssize_t nb = blocks.shape[0], i
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    with nogil:
+        for i in prange(nb, num_threads=threads, schedule="static"):
+            _product_block(blocks[i], offset[i], R1, R2, x1, lw1, start1, count1, x2, lw2, start2,
+                           count2, x, lw)
+
+
+cdef void _product_block(long b, long row, long R1, long R2, const double[:, ::1] x1,
+                         const double[::1] lw1, const long[::1] start1, const long[::1] count1,
+                         const double[:, ::1] x2, const double[::1] lw2, const long[::1] start2,
+                         const long[::1] count2, double[:, ::1] x, double[::1] lw) noexcept nogil:
+    """One block of ``polar_product``."""
+    cdef long ring1 = b // R2 if R2 > 0 else b, ring2 = (b // (R1 * R2)) * R2 + b % R2 if R2 > 0 else 0
+    cdef long a, c, n2 = count2[ring2] if R2 > 0 else 1
+    for a in range(start1[ring1], start1[ring1] + count1[ring1]):
+        for c in range(n2):
+            x[row, 0], x[row, 1] = x1[a, 0], x1[a, 1]
+            lw[row] = lw1[a]
+            if R2 > 0:
+                x[row, 2], x[row, 3] = x2[start2[ring2] + c, 0], x2[start2[ring2] + c, 1]
+                lw[row] += lw2[start2[ring2] + c]
+            row += 1
+
+
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        int L, double delta, const double* nodes, Py_ssize_t stride,
+                        int L, double delta, const double* nodes, Py_ssize_t rows, Py_ssize_t stride,
                         const long* seg_start, const long* seg_stop, Py_ssize_t n_seg,
                         double* log_z, double* mean, double* second) noexcept nogil:
-    """One sample of ``integrate_polar`` (node k's value j at nodes[j·stride + k]) over its
-    segments: L ≥ 2 by tiles of at most SMI_TILE nodes (``smi_polar2``, ``smi_polar3``: two
-    passes each, the tiles' sums merged at their maxima); L = 1 (route 1) node by node with a
+    """One sample of ``integrate_polar`` (node k's value j < rows at nodes[j·stride + k]) over
+    its segments: L ≥ 2 by tiles of SMI_TILE nodes (``_polar_tile``: ``smi_polar2``,
+    ``smi_polar3``, two passes each, the tiles' sums merged at their maxima), whole tiles of a
+    segment read in place and the rest (its last, partial tile) gathered into a tile with the
+    next segments'; L = 1 (route 1) node by node with a
     running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log constant and the two
     terms ±h_1)."""
     cdef Acc acc
     cdef Py_ssize_t k, s, end
     cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's row
     cdef double h[2]
-    cdef double lc, r2, top
+    cdef double lc, r2
     cdef double* buf = NULL
-    cdef double* part
-    cdef Py_ssize_t cnt
+    cdef double* part = NULL
+    cdef double* gather = NULL
+    cdef Py_ssize_t cnt, filled = 0
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
     _acc_init(&acc, 2 * L)
     if L >= 2:
-        buf = <double*> malloc((10 * SMI_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
-        part = buf + 10 * SMI_TILE
+        buf = <double*> malloc(((10 + rows) * SMI_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
+        gather = buf + 10 * SMI_TILE
+        part = gather + rows * SMI_TILE
     for s in range(n_seg):
         k, end = seg_start[s], seg_stop[s]
         if L >= 2:                      # by tiles, two passes each (smi_polar2, 3: vectorised)
             while k < end:
-                cnt = min(SMI_TILE, end - k)
-                if L == 2:
-                    top = smi_polar2(u, omega, Vinv, const0, delta, nodes + k, stride, cnt, m, buf, part)
-                else:
-                    top = smi_polar3(u, omega, Vinv, const0, nodes + k, stride, cnt, buf, part)
-                _add_sums(&acc, top, part)
+                cnt = min(SMI_TILE - filled, end - k)
+                if filled == 0 and cnt == SMI_TILE:     # a whole tile of the segment: in place
+                    _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, nodes + k, stride, cnt, buf, part)
+                else:                                   # short pieces: gathered into one tile
+                    for j in range(rows):
+                        memcpy(gather + j * SMI_TILE + filled, nodes + j * stride + k, cnt * sizeof(double))
+                    filled += cnt
+                    if filled == SMI_TILE:
+                        _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled, buf, part)
+                        filled = 0
                 k += cnt
         else:                           # L = 1 (route 1): h_1 = u_1, the terms ±u_1
             for k in range(k, end):
@@ -647,8 +692,22 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                 for j in range(2):      # g is even in u_1
                     h[0], h[1] = -h[0], -h[1]
                     _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
+    if filled:
+        _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled, buf, part)
     free(buf)
     _acc_finish(&acc, log_z, mean, second)
+
+
+cdef inline void _polar_tile(Acc* acc, const double* u, const double* omega, const double* Vinv,
+                             double const0, double delta, int L, int m, const double* nodes,
+                             Py_ssize_t stride, Py_ssize_t cnt, double* buf, double* part) noexcept nogil:
+    """One tile of ``_polar_sample``: cnt nodes (columns of ``nodes``) into the sums."""
+    cdef double top
+    if L == 2:
+        top = smi_polar2(u, omega, Vinv, const0, delta, nodes, stride, cnt, m, buf, part)
+    else:
+        top = smi_polar3(u, omega, Vinv, const0, nodes, stride, cnt, buf, part)
+    _add_sums(acc, top, part)
 
 
 cdef struct Problem:

@@ -171,18 +171,13 @@ class PolarRule:
 
     def _product(self, layers, blocks, size, shape):
         """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
-        layer...), ``size`` nodes each), as rows [x, log weight, ``_polar_data(x)``]."""
-        k = np.arange(size.sum()) - np.repeat(np.cumsum(size) - size, size)   # position in its block
-        tuples = np.unravel_index(np.repeat(blocks, size), shape)
-        idx = []
-        for rl, ring in zip(reversed(layers), reversed(tuples[1:])):       # last layer fastest
-            flat = rl.count.ravel()
-            ring = tuples[0] * rl.count.shape[1] + ring
-            idx.append(np.cumsum(flat)[ring] - flat[ring] + k % flat[ring])
-            k = k // flat[ring]
-        idx.reverse()
-        x = np.concatenate([rl.x[i] for rl, i in zip(layers, idx)], axis=1)
-        log_w = sum(rl.log_w[i] for rl, i in zip(layers, idx))
+        layer...), ``size`` nodes each; ``_quadrature.polar_product``), as rows [x, log weight,
+        ``_polar_data(x)``]."""
+        x, log_w = np.empty((size.sum(), 2 * len(layers))), np.empty(size.sum())
+        rings = [(rl.x, rl.log_w, np.cumsum(rl.count.ravel()) - rl.count.ravel(), rl.count.ravel())
+                 for rl in (layers[0], layers[-1])]          # one layer: the second is ignored
+        _quadrature.polar_product(blocks, np.cumsum(size) - size, shape[1], shape[2] if len(layers) == 2 else 0,
+                                  *rings[0], *rings[1], x, log_w, self.threads)
         return np.concatenate([x.T, log_w[None], self._polar_data(x)])
 
     @staticmethod
