@@ -75,9 +75,12 @@ cdef extern from *:
        and the log weights of the 2^L terms (each earlier layer and u_L reflected or not),
        kept in the columns of buf (SMI_TILE rows), and their maximum mx; (2) the weights
        e^(lw - mx) and the moment sums about omega, out = [s0, s1, the upper triangle of s2
-       row by row] relative to e^mx; returns mx.  Nodes with a non-finite h or log constant
+       row by row] relative to e^mx; returns mx.  Pass (2) is skipped, out left as it is, when
+       mx < floor (the caller's running maximum - SMI_SKIP: the tile's weights are all below
+       e^-SMI_SKIP of a node already summed).  Nodes with a non-finite h or log constant
        (det Phi = 0) weigh 0. */
     #define SMI_TILE 256
+    #define SMI_SKIP 45.0       /* 256 e^-45 = 7e-18: thousands of skipped tiles stay below 1e-14 */
     #define SMI_FINITE(x) (fabs(x) <= 1.7976931348623157e308)
     #define SMI_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -88,7 +91,7 @@ cdef extern from *:
     static double smi_polar2(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0, double delta,
                              const double* restrict nodes, long stride, long K, int m,
-                             double* restrict buf, double* restrict out) {
+                             double floor, double* restrict buf, double* restrict out) {
         const double p11 = P[0], p12 = P[1], p22 = P[3];
         const double o0 = om[0], o1 = om[1], o2 = om[2], o3 = om[3];
         const double* restrict X0 = nodes;
@@ -145,6 +148,8 @@ cdef extern from *:
             double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
             mx = t > mx ? t : mx;
         }
+        if (mx < floor)                 /* the whole tile is negligible: no second pass */
+            return mx;
         double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0;
         double q00 = 0, q01 = 0, q11 = 0, q22 = 0, q23 = 0, q33 = 0, q02 = 0, q03 = 0, q12 = 0, q13 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, q00, q01, q11, q22, q23, q33, q02, q03, q12, q13)
@@ -181,7 +186,7 @@ cdef extern from *:
        out = [s0, s1 (6), the upper triangle of s2 (21)]. */
     static double smi_polar3(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0,
-                             const double* restrict nodes, long stride, long K,
+                             const double* restrict nodes, long stride, long K, double floor,
                              double* restrict buf, double* restrict out) {
         const double u0 = u[0], u1 = u[1];
         const double* restrict LW = nodes + 4 * stride;
@@ -232,6 +237,8 @@ cdef extern from *:
             double t = SMI_MAX(SMI_MAX(SMI_MAX(w0, w1), SMI_MAX(w2, w3)), SMI_MAX(SMI_MAX(w4, w5), SMI_MAX(w6, w7)));
             mx = t > mx ? t : mx;
         }
+        if (mx < floor)                 /* the whole tile is negligible: no second pass */
+            return mx;
         double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0, q00 = 0, q01 = 0, q02 = 0, q03 = 0, q04 = 0, q05 = 0, q11 = 0, q12 = 0, q13 = 0, q14 = 0, q15 = 0, q22 = 0, q23 = 0, q24 = 0, q25 = 0, q33 = 0, q34 = 0, q35 = 0, q44 = 0, q45 = 0, q55 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55)
         for (long k = 0; k < K; k++) {
@@ -300,10 +307,13 @@ cdef extern from *:
     """
     double smi_exp_neg(double x) noexcept nogil
     int SMI_TILE             # integrate_polar, L ≥ 2: nodes per tile (its buffers stay in L1)
+    double SMI_SKIP          # a tile this far below the running maximum is left out
     double smi_polar3(const double* u, const double* om, const double* P, double const0,
-                      const double* nodes, long stride, long K, double* buf, double* out) noexcept nogil
+                      const double* nodes, long stride, long K, double floor, double* buf,
+                      double* out) noexcept nogil
     double smi_polar2(const double* u, const double* om, const double* P, double const0, double delta,
-                      const double* nodes, long stride, long K, int m, double* buf, double* out) noexcept nogil
+                      const double* nodes, long stride, long K, int m, double floor, double* buf,
+                      double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -584,7 +594,8 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
       (log_z exact).
     The integrand is folded over every reflection h_ℓ → -h_ℓ (Φ and g are even in each layer),
     so each layer's nodes cover a half plane and every node carries 2^L terms.  Moments about
-    ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ]."""
+    ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ].  Tiles of nodes all below e^-SMI_SKIP of the
+    running maximum are left out."""
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
@@ -701,13 +712,15 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
 cdef inline void _polar_tile(Acc* acc, const double* u, const double* omega, const double* Vinv,
                              double const0, double delta, int L, int m, const double* nodes,
                              Py_ssize_t stride, Py_ssize_t cnt, double* buf, double* part) noexcept nogil:
-    """One tile of ``_polar_sample``: cnt nodes (columns of ``nodes``) into the sums."""
-    cdef double top
+    """One tile of ``_polar_sample``: cnt nodes (columns of ``nodes``) into the sums, unless
+    all are below e^-SMI_SKIP of the running maximum."""
+    cdef double top, floor = acc.mx - SMI_SKIP
     if L == 2:
-        top = smi_polar2(u, omega, Vinv, const0, delta, nodes, stride, cnt, m, buf, part)
+        top = smi_polar2(u, omega, Vinv, const0, delta, nodes, stride, cnt, m, floor, buf, part)
     else:
-        top = smi_polar3(u, omega, Vinv, const0, nodes, stride, cnt, buf, part)
-    _add_sums(acc, top, part)
+        top = smi_polar3(u, omega, Vinv, const0, nodes, stride, cnt, floor, buf, part)
+    if top >= floor:
+        _add_sums(acc, top, part)
 
 
 cdef struct Problem:
