@@ -27,15 +27,21 @@ The log-ratio form uses y itself (not 1 - y), so it is exact for y as given even
 row is not exactly stochastic in float64 (an entry 1 - 1e-13 is stored with 1e-3 relative error
 in its complement, but the small entry itself is exact).
 
-Method.  The moments Σ_± ∫ e^{ℓ_±(x) - ℓ*} [1, w, w wᵀ] dx are integrated together,
-w = (L_V⁻¹ ⊗ I_T)(Z - Z_ref) the index vector whitened by the Cholesky factor of V and centred on
-the highest mode, so every component is O(mass) and one absolute tolerance fits all.
+Method.  The moments Σ_± ∫ e^{ℓ_±(x) - ℓ*} [1, w, w wᵀ] dx are integrated together, w = A(Z - m)
+(Z flattened a*T + t).  4-D: A = L_V⁻¹ ⊗ I_T (V's Cholesky whitening), m = Z at the highest
+mode.  2-D: A = Cov(Z|y)^{-1/2}, m = E[Z|y] from a pilot pass (step 4), so every component is
+O(mass) even on a far, curved ridge where V's whitening makes some ≈ 1e4 × mass.  Each
+component carries a weight (``_Ctx.set_transform``: its influence on the metric through
+G = (V⁻¹ ⊗ I)A⁻¹, largest 1) and the adaptive rule's absolute tolerance applies to the weighted
+components; a component's own error bound is the certified one / its weight, and the assembly
+propagates that error vector (so directions that cannot move the metric, e.g. the posterior's
+thinnest, where float64 (Z - m) is noise at the 1e-12 level of A(Z - m), need no accuracy).
 
 1. Box: x_t ∈ ω_t ± K √V_tt per coordinate (u_2: ± (c+1)(max|ω_2| + K√V_22)), K = 12 or more.
    The mass and second moments outside the box are bounded by the Gaussian tail times the sup
    of the other factors (``tail`` of each problem: det Φ ≥ c(c+1) for T = 2, ‖Φ⁻¹‖ ≤ √2/c,
-   E[|x|²; out] ≤ √(E|x|⁴ · P_out)); K grows until the bound is below 1e-14 of the mass, and
-   the bound is added to the error.
+   E[|x|²; out] ≤ √(E|x|⁴ · P_out)), taken about m, and |w_i| ≤ ‖A_i‖ |Z - m| per component;
+   K grows until the weighted bound is below 1e-14 of the mass, and it is added to the error.
 2. Modes: local maxima of ℓ_± on a grid over the box (81² points in 2-D, 15⁴ in 4-D, plus the
    reflections of ω as starts), refined by L-BFGS-B, with a finite-difference Hessian (Laplace
    width).  They only place breakpoints; nothing rests on them being right.
@@ -44,16 +50,31 @@ the highest mode, so every component is O(mass) and one absolute tolerance fits 
    heavier one, or implausible for the prefix, are left out).  Cliffs: a softmax row of logits
    β x_t x_s switches where x_t = 0 or x_s = x_s', i.e. on the lines x_k = 0 and x_k = x_j
    (j < k, same block); with h_1 = (a, b) those are a = 0 (outer), b = 0 and b = a (inner).
+   2-D (``_grid_design``, ``_line_peaks``): the inner breakpoints are not the modes' (their
+   conditional centres are linear in a, and a curved ridge drifts off that line, so an inner
+   panel could miss the peak, see a flat integrand and pass as converged: 6.3e-6 and 7.6e-5 off
+   while certifying ≤ 2.4e-9 on 2 of 10 near-singular-V draws): for every outer node a, the
+   peaks of b ↦ max_± ℓ_±(a, b) on an 801-point grid over the box (up to 4 per line, within 40
+   of the line's top and of ℓ*), refined by the parabola through three grid points (exact for
+   a Gaussian however narrow), + LINE_OFFSETS × the parabola's width (± 2, 5, 10, 24, 64: the
+   panels grow geometrically away from a narrow peak, whose tails carry large |w|²).  The outer
+   level adds the same ladder around the peaks of the per-line Laplace marginal in a (801² grid).
 4. 2-D: nested, globally adaptive Gauss–Legendre (``_adaptive``, n = 10), batched over all
    outer nodes.  A panel's error is |GL_n(panel) - GL_n(halves)| plus the inner level's error;
    panels are bisected until Σ error ≤ tol · mass; the inner level gets an absolute tolerance
-   scaled by 1/(box width), so negligible tails cost nothing.  Then the certified rule (the
+   scaled by 1/(box width), so negligible tails cost nothing.  An owner (a line, or the outer
+   integral) also stops, with its estimate as it stands, after STALL rounds without halving it
+   or at MAX_PANELS panels (float64 noise floor; memory stays bounded, the bound stays honest).
+   The transform comes first from the grid's Riemann sums, then from a pilot pass at 1e-6, and
+   the pass at tol uses the pilot's mean and covariance.  Then the certified rule (the
    parent nodes of the final panels, outer × inner, ≈ 5 000–20 000 nodes) is evaluated again
    in mpmath at 32 digits, including the assembly of g_out and dg_out (V⁻¹, the subtraction
    V⁻¹CovV⁻¹ - V⁻¹); nodes whose float64 contribution is below 1e-16 of the mass are skipped
    and their total is added to the error.  If the resulting metric bound exceeds TARGET (the
    metric is relative to max|(g_out, dg_out)|, which is tiny when y is uninformative), tol is
-   lowered (down to 1e-14) and everything is repeated.
+   lowered (down to 1e-14) and everything is repeated (the float64 pass first; mpmath only for
+   the last); if lowering tol no longer halves the bound, the last bound is reported as is
+   (e.g. near-singular V with max|dg_out| ≈ 1e-4 ‖V⁻¹‖: the metric needs Cov(w) to ≈ 1e-13).
 5. 4-D: nested product rules (``_fixed_sum``), Gauss–Legendre with n and n + 1 nodes on every
    panel of every level (≈ 5e6–3e7 nodes, split over WORKERS processes); the finer result is
    returned and the metric of the difference is its error estimate.
@@ -242,6 +263,21 @@ class _Problem:
             e = np.exp(const - 0.5 * q + extra)
             out.append((e, np.concatenate([x + delta[a] for a, x in enumerate(rho)], axis=1)))
         return out
+
+    def zterms(self, X, shift):
+        """[(e^{ℓ_s - ℓ*} (N,), Z_s (N, RT))], Z flattened a*T + t (the exponent as in ``terms``)."""
+        rows, extra = self.rows(X)
+        R, Li = self.R, self.Linv
+        const = -0.5 * self.T * (R * LOG2PI + self.logdetV) - shift
+        out = []
+        for s in ((1.0,) if self.S == 1 else (1.0, -1.0)):
+            Z = [rows[b] for b in range(R - 1)] + [s * rows[-1]]
+            r = [Z[b] - self.omega[b] for b in range(R)]
+            rho = [sum(Li[a, b] * r[b] for b in range(a + 1)) for a in range(R)]
+            q = sum((x * x).sum(axis=1) for x in rho)
+            out.append((np.exp(const - 0.5 * q + extra), np.concatenate(Z, axis=1)))
+        return out
+
 
 class ReparamL2(_Problem):
     d, S, R, T = 2, 2, 2, 2
@@ -467,6 +503,45 @@ def _gauss_legendre(n):
     return np.polynomial.legendre.leggauss(n)
 
 
+SCALE_FLOOR = 1e-15  # smallest component weight (``_Ctx.set_transform``)
+PEAKS = 4            # 2-D route: peaks per grid line that place breakpoints …
+PEAK_DROP = 40.0     # … if within this of the line's highest (in log)
+PEAK_GRID = 801      # points of the grid lines (box / 800 apart)
+# … and their breakpoints, in widths: geometric beyond ± 2, so that the panels next to a narrow
+# peak grow with the distance and its tails (where |w|² is large) are resolved in a few rounds
+LINE_OFFSETS = (-64.0, -24.0, -10.0, -5.0, -2.0, 0.0, 2.0, 5.0, 10.0, 24.0, 64.0)
+
+
+def _line_peaks(E, x, keep=PEAKS, drop=PEAK_DROP):
+    """Peaks of the rows of E (M, G), log values on the uniform grid x (G,): the ``keep``
+    highest local maxima within ``drop`` of the row's maximum, refined by the parabola through
+    the three grid points (exact for a Gaussian, however narrow).  Returns the positions, the
+    widths (1/√curvature; the grid step if the parabola does not open downwards) and the vertex
+    values, each (M, keep), NaN / -inf where a row has fewer peaks."""
+    M, G = E.shape
+    h = x[1] - x[0]
+    E = np.where(np.isnan(E), -np.inf, E)
+    pad = np.pad(E, ((0, 0), (1, 1)), constant_values=-np.inf)
+    left, right = pad[:, :-2], pad[:, 2:]
+    is_max = (E >= left) & (E > right) & np.isfinite(E)
+    score = np.where(is_max & (E >= E.max(axis=1, keepdims=True) - drop), E, -np.inf)
+    keep = min(keep, G)
+    idx = np.argsort(-score, axis=1)[:, :keep]
+    rows = np.arange(M)[:, None]
+    ok = np.isfinite(score[rows, idx])
+    i = np.clip(idx, 1, G - 2)
+    e0, em, ep = E[rows, i], E[rows, i - 1], E[rows, i + 1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        d1, d2 = 0.5 * (ep - em), ep - 2 * e0 + em
+        curved = np.isfinite(d2) & (d2 < 0) & (idx == i)
+        step = np.where(curved, np.clip(-d1 / np.where(curved, d2, -1.0), -1.0, 1.0), 0.0)
+        pos = x[idx] + np.where(idx == i, step, 0.0) * h
+        sd = np.where(curved, h / np.sqrt(np.where(curved, -d2, 1.0)), h)
+        val = np.where(curved, e0 + 0.5 * d1 * step, E[rows, idx])
+    nan = np.full_like(pos, np.nan)
+    return np.where(ok, pos, nan), np.where(ok, sd, nan), np.where(ok, val, -np.inf)
+
+
 class _Ctx:
     """What one integration needs: the problem, the shift ℓ*, the centre Z_ref, the modes
     (centre, Laplace covariance) for the breakpoints, the box and the panel order."""
@@ -479,6 +554,11 @@ class _Ctx:
         self.iu = np.triu_indices(RT)
         self.K = 1 + RT + len(self.iu[0])
         self.evaluations = 0
+        # the index vector w = A (Z - m): by default V's whitening about Z_ref (``terms``); the
+        # 2-D route replaces it by the posterior's own (``_posterior_transform``)
+        self.set_transform(np.kron(problem.Linv, np.eye(problem.T)), np.asarray(Zref, float).ravel())
+        self.peak_grid = None        # 2-D route: b-grid for the inner level's peak breakpoints
+        self.outer_peaks = None      # 2-D route: outer breakpoints from the grid's marginal peaks
         # per level and mode: conditional Laplace centre μ = μ0 + coef·x_{<k}, sd s, and the
         # marginal precision of x_{<k} (a mode's breakpoints are used only where the prefix is
         # plausible under it: log mass - ½ Mahalanobis² - ½ log det within PRUNE of the best)
@@ -497,10 +577,11 @@ class _Ctx:
             self.cond.append(row)
 
     def components(self, X):
-        """Σ_s e^{ℓ_s - ℓ*} [1, w_s, (w_s w_sᵀ)_{upper}] at the points X (N, d): (N, K)."""
+        """Σ_s e^{ℓ_s - ℓ*} [1, w_s, (w_s w_sᵀ)_{upper}] ⊙ scale at the points X (N, d): (N, K)."""
         RT = self.problem.R * self.problem.T
         out = np.zeros((len(X), self.K))
-        for e, W in self.problem.terms(X, self.shift, self.Zref):
+        for e, Z in self.problem.zterms(X, self.shift):
+            W = (Z - self.m) @ self.A.T
             out[:, 0] += e
             eW = e[:, None] * W
             out[:, 1:1 + RT] += eW
@@ -508,10 +589,25 @@ class _Ctx:
         self.evaluations += len(X)
         if not np.isfinite(out).all():
             raise FloatingPointError("non-finite integrand: a mode above the shift was missed")
-        return out
+        return out * self.scale
+
+    def set_transform(self, A, m):
+        """w = A (Z - m) (A: RT × RT, invertible; m: RT), M = A⁻¹ for the assembly, and the
+        components' weights ``scale`` (their influence on the metric, largest 1): the adaptive
+        rule's absolute tolerance applies to scale ⊙ components, so a component's own error is
+        bounded by the certified error / its weight (``_assemble_np`` propagates that vector)."""
+        self.A, self.m = np.asarray(A, float), np.asarray(m, float)
+        self.M = np.linalg.inv(self.A)
+        RT = len(self.m)
+        # an error δ (× mass) on S1_i moves g by ≤ γ_i δ, on S2_ij moves dg by ≤ γ_i γ_j δ, on
+        # the mass moves dg by ≲ RT γ_max² δ (Cov(w) ≈ I), γ_i = max |column i of (V⁻¹ ⊗ I) M|
+        gam = np.abs(np.kron(self.problem.P, np.eye(self.problem.T)) @ self.M).max(axis=0)
+        w = np.concatenate([[max(RT * gam.max() ** 2, gam.max())], gam, gam[self.iu[0]] * gam[self.iu[1]]])
+        self.scale = np.maximum(w / w.max(), SCALE_FLOOR)
 
     def sums(self, X, weight):
-        """Σ_nodes weight · components (K,), without forming the (N, K) array."""
+        """Σ_nodes weight · components (K,), without forming the (N, K) array (4-D route: the
+        default transform, computed by ``terms``)."""
         RT = self.problem.R * self.problem.T
         S0, S1, S2 = 0.0, np.zeros(RT), np.zeros((RT, RT))
         for e, W in self.problem.terms(X, self.shift, self.Zref):
@@ -548,8 +644,29 @@ class _Ctx:
             cols.append(np.where(use[:, None], pts, lo))
             first = np.where(use, np.minimum(first, pts[:, 0]), first)
             last = np.where(use, np.maximum(last, pts[:, -1]), last)
+        if k == 0 and self.outer_peaks is not None:
+            cols.append(np.broadcast_to(self.outer_peaks, (M, len(self.outer_peaks))))
+        if k == 1 and self.peak_grid is not None:      # the line's own peaks replace the modes'
+            cols = cols[:3] + [self.line_peaks(prefix)]
         B = np.sort(np.clip(np.concatenate(cols, axis=1), lo, hi), axis=1)
         return (B, first, last) if core else B
+
+    def line_peaks(self, prefix, rows=1000):
+        """Inner breakpoints (M, PEAKS · len(offsets)) at the peaks of b ↦ max_s ℓ_s(a, b) for
+        each outer node a (``_line_peaks`` on the grid ``peak_grid``): they follow a curved
+        ridge, which the conditional Laplace centres (linear in a) do not."""
+        b = self.peak_grid
+        out = []
+        for i in range(0, len(prefix), rows):
+            a = prefix[i:i + rows, 0]
+            X = np.stack([np.repeat(a, len(b)), np.tile(b, len(a))], axis=1)
+            ell = self.problem.logterms(X)[0].max(axis=0).reshape(len(a), len(b))
+            self.evaluations += len(X)
+            x, sd, val = _line_peaks(ell, b)
+            x = np.where(val >= self.shift - PEAK_DROP, x, np.nan)   # lines far below the top
+            pts = x[:, :, None] + sd[:, :, None] * np.array(LINE_OFFSETS)
+            out.append(np.where(np.isfinite(pts), pts, self.lo[1]).reshape(len(a), -1))
+        return np.concatenate(out) if out else np.zeros((0, PEAKS * len(LINE_OFFSETS)))
 
 
 @dataclass
@@ -580,8 +697,11 @@ def _rule(f, o, a, b, n, K):
         return np.zeros((0, K)), np.zeros(0)
     xi, wi = _gauss_legendre(n)
     half = 0.5 * (b - a)
-    x = (0.5 * (a + b))[:, None] + half[:, None] * xi[None]
-    val, err = f(np.repeat(o, n), x.ravel())
+    x = ((0.5 * (a + b))[:, None] + half[:, None] * xi[None]).ravel()
+    on = np.repeat(o, n)
+    step = max(1, RULE_BATCH // n) * n                # bounded memory for the integrand values
+    parts = [f(on[i:i + step], x[i:i + step]) for i in range(0, len(x), step)]
+    val, err = np.concatenate([v for v, _ in parts]), np.concatenate([e for _, e in parts])
     w = half[:, None] * wi[None]
     return (np.einsum("pn,pnk->pk", w, val.reshape(P, n, K)),
             np.einsum("pn,pn->p", w, err.reshape(P, n)))
@@ -604,6 +724,7 @@ def _adaptive(f, breaks, atol, n, K, max_rounds=60):
     act = _Panels(o, a, b, Ip, Ep, np.zeros((P, K)), np.zeros(P), np.zeros((P, K)), np.zeros(P))
     fresh = np.ones(P, bool)
     done = []
+    best, stall = np.full(Q, np.inf), np.zeros(Q, int)
     for rnd in range(max_rounds + 1):
         if fresh.any():
             fa, fb, fo = act.a[fresh], act.b[fresh], act.o[fresh]
@@ -613,7 +734,12 @@ def _adaptive(f, breaks, atol, n, K, max_rounds=60):
         e = np.abs(act.Ip - act.IL - act.IR).max(axis=1) + act.EL + act.ER
         tot = np.bincount(act.o, e, minlength=Q)
         cnt = np.bincount(act.o, minlength=Q)
-        ok = tot <= atol
+        # an owner also stops (its error as estimated) when the estimate has not halved for
+        # STALL rounds (float64 noise: splitting further only multiplies panels) or it has
+        # MAX_PANELS panels; the bound then says so, and the caller lowers nothing below it
+        stall = np.where(tot <= 0.5 * best, 0, stall + 1)
+        best = np.minimum(best, tot)
+        ok = (tot <= atol) | (stall >= STALL) | (cnt >= MAX_PANELS)
         if rnd == max_rounds:
             ok[:] = True
         retire = ok[act.o]
@@ -639,8 +765,11 @@ def _adaptive(f, breaks, atol, n, K, max_rounds=60):
     return value, err, (fin.o, fin.a, fin.b), rnd
 
 
+RULE_BATCH = 200_000  # adaptive rule: integrand points evaluated at once
+STALL = 10          # adaptive rule: rounds without halving the estimate before an owner stops
+MAX_PANELS = 300     # … or panels per owner (memory: with ≤ CHUNK / 600 owners at once)
 SKIP = 1e-16        # mp pass: nodes contributing less than this (relative to the mass) are skipped
-CHUNK = 4_000_000      # integrand points per batch at the innermost level (memory)
+CHUNK = 1_000_000      # integrand points per batch at the innermost level (memory)
 
 
 def _nested(ctx, level, prefix, atol, log=None):
@@ -765,7 +894,7 @@ def _laplace_cov(H, sd):
 
 # -- the driver ------------------------------------------------------------------------------------
 
-def _integrate(problem, tol, n, grid_n, mp_pass, fixed=False, K=12.0):
+def _integrate(problem, tol, n, grid_n, mp_pass, fixed=False, K=12.0, final=False):
     """The moments of ``problem``: adaptive nested Gauss–Legendre to ``tol`` (× mass), or with
     ``fixed`` the nested product rules of orders n and n + 1 (error = their difference)."""
     t0 = time.perf_counter()
@@ -790,37 +919,102 @@ def _integrate(problem, tol, n, grid_n, mp_pass, fixed=False, K=12.0):
             g1, dg1, _ = _assemble_np(problem, ctx, fine, 0.0)
             info.update(nodes=nodes + nodes_coarse, self_convergence=metric(g0, dg0, g1, dg1))
         else:
-            atol = tol * laplace
+            # the grid: outer breakpoints, a first posterior transform, the inner peak grid
+            _grid_design(ctx)
+            laplace *= math.exp(shift - ctx.shift)
+            shift = ctx.shift
+            # a pilot pass (loose) gives the posterior's mean and covariance for the transform
+            log = {}
+            value, err = _nested(ctx, 0, np.zeros((1, 0)), np.array([PILOT * laplace]), log)
+            value = value[0] / ctx.scale
+            ctx.set_transform(*_posterior_transform(problem, ctx, value))
+            atol = tol * value[0]
             for _ in range(3):
                 log = {}
                 value, err = _nested(ctx, 0, np.zeros((1, 0)), np.array([atol]), log)
-                value, err, mass = value[0], float(err[0]), value[0, 0]
-                if err <= 2 * tol * mass:
+                value, err = value[0] / ctx.scale, float(err[0]) / ctx.scale
+                mass = value[0]
+                if (err * ctx.scale).max() <= 2 * tol * mass:
                     break
                 atol = tol * mass
             info.update(rounds=log["rounds"])
-        log_tm, log_t2 = problem.tail(K, Zref)
+        # outside the box, per component: mass ≤ t0; |w_i| ≤ ‖A_i‖ |Z - m| with E[|Z - m|²; out]
+        # ≤ t2 (``tail`` about m), so |S1_i| ≤ ‖A_i‖ √(t0 t2) and |S2_ij| ≤ ‖A_i‖ ‖A_j‖ t2
+        log_tm, log_t2 = problem.tail(K, ctx.m.reshape(problem.R, problem.T))
         # in logs: with y unrelated to ω and V small the bound can exceed the mass by e^hundreds
-        tail_mass = math.exp(min(log_tm - shift, 700.0))
-        tail_m2 = math.exp(min(log_t2 - shift, 700.0)) / np.linalg.eigvalsh(problem.V)[0]
-        if tail_mass <= 1e-14 * mass and tail_m2 <= 1e-14 * mass:
+        t0_, t2_ = math.exp(min(log_tm - shift, 700.0)), math.exp(min(log_t2 - shift, 700.0))
+        rn = np.linalg.norm(ctx.A, axis=1)
+        tail = np.concatenate([[t0_], rn * math.sqrt(t0_ * t2_), rn[ctx.iu[0]] * rn[ctx.iu[1]] * t2_])
+        if (tail * ctx.scale).max() <= 1e-14 * mass:
             break
         K *= 1.5
     info.update(K=K, modes=len(modes), evaluations=ctx.evaluations,
                 design_seconds=time.perf_counter() - t0)
-    tail = tail_mass + tail_m2 + math.sqrt(tail_mass) * math.sqrt(tail_m2)
-    quad = float(err) + tail
+    quad = err + tail
     g64, dg64, err64 = _assemble_np(problem, ctx, value, quad)
     if fixed:
         err64 += info["self_convergence"]
-    result = dict(g=g64, dg=dg64, error=err64, mass=mass, shift=shift, quad=quad / mass,
-                  tail=tail / mass, log_z=float(np.log(mass) + shift))
-    if mp_pass:
+    result = dict(g=g64, dg=dg64, error=err64, mass=mass, shift=shift,
+                  quad=(quad * ctx.scale).max() / mass, tail=(tail * ctx.scale).max() / mass,
+                  log_z=float(np.log(mass) + shift))
+    if mp_pass and (fixed or final or err64 <= TARGET or tol <= 1e-14):     # else ``_reference`` retries
         result.update(_mp_pass(problem, ctx, log, quad, mass))
         result["f64_diff"] = metric(g64, dg64, result["g"], result["dg"])
     info.update({k: v for k, v in result.items() if k not in ("g", "dg")})
     info["seconds"] = time.perf_counter() - t0
     return result, info
+
+
+PILOT = 1e-6         # 2-D route: relative tolerance of the pilot pass (it only shapes the transform)
+EIG_FLOOR = 1e-12    # posterior transform: covariance eigenvalues floored at this × the largest
+
+
+def _grid_design(ctx):
+    """2-D route, on a PEAK_GRID² grid over the box: (1) the per-row peaks in b (``_line_peaks``)
+    give a Laplace estimate of the marginal in a, whose peaks ± OFFSETS × width become outer
+    breakpoints; (2) the inner level will find its peaks on the same b grid for every outer node;
+    (3) the grid's Riemann sums give a first posterior mean and covariance of Z for the transform;
+    (4) a grid point above the modes' highest value raises the shift ℓ*."""
+    problem = ctx.problem
+    xa = np.linspace(ctx.lo[0], ctx.hi[0], PEAK_GRID)
+    xb = np.linspace(ctx.lo[1], ctx.hi[1], PEAK_GRID)
+    ctx.peak_grid = xb
+    X = np.stack(np.meshgrid(xa, xb, indexing="ij"), axis=-1).reshape(-1, 2)
+    ell, Zs = problem.logterms(X)
+    ctx.evaluations += len(X)
+    ctx.shift = max(ctx.shift, float(ell.max()))
+    E = ell.max(axis=0).reshape(PEAK_GRID, PEAK_GRID)
+    _, sd, val = _line_peaks(E, xb)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logF = np.logaddexp.reduce(np.where(np.isfinite(sd), val + np.log(sd), -np.inf), axis=1)
+    pos, sda, _ = _line_peaks(logF[None], xa)
+    pts = (pos[0][:, None] + sda[0][:, None] * np.array(LINE_OFFSETS)[None]).ravel()
+    ctx.outer_peaks = pts[np.isfinite(pts)]
+    wgt = np.exp(ell - ell.max()).ravel()
+    Z = Zs.reshape(-1, problem.R * problem.T)
+    m = wgt @ Z / wgt.sum()
+    C = ((Z - m) * wgt[:, None]).T @ (Z - m) / wgt.sum()
+    ctx.set_transform(_whitening(C), m)
+
+
+def _whitening(C):
+    """C^{-1/2} (symmetric) with the eigenvalues floored at EIG_FLOOR × the largest."""
+    lam, U = np.linalg.eigh(0.5 * (C + C.T))
+    lam = np.maximum(lam, EIG_FLOOR * max(lam.max(), 1e-300))
+    return (U / np.sqrt(lam)) @ U.T
+
+
+def _posterior_transform(problem, ctx, S):
+    """w = A (Z - m) with m the posterior mean and A = Cov(Z)^{-1/2} from the moments S of the
+    current w (a pilot pass): every component of [1, w, w wᵀ] is then O(mass), so one absolute
+    tolerance fits all (V's whitening makes some ≈ 1e4 × mass on a far, curved ridge)."""
+    RT = problem.R * problem.T
+    S0, S1, S2 = _unflatten(S, RT, ctx.iu)
+    mu = S1 / S0
+    Cw = S2 / S0 - np.outer(mu, mu)
+    m = ctx.m + ctx.M @ mu
+    C = ctx.M @ Cw @ ctx.M.T
+    return _whitening(C), m
 
 
 def _unflatten(S, RT, iu):
@@ -832,23 +1026,27 @@ def _unflatten(S, RT, iu):
 
 
 def _assemble_np(problem, ctx, S, err):
-    """g_out, dg_out from the whitened moments (float64), and the bound on the metric from an
-    absolute error ``err`` on every component."""
+    """g_out, dg_out from the moments of w = A (Z - m) (float64), and the bound on the metric from
+    absolute errors ``err`` on the components (a scalar or one per component).  With M = A⁻¹ and G = (V⁻¹ ⊗ I) M:
+    g = (V⁻¹ ⊗ I)(m - ω) + G E[w], dg = G Cov(w) Gᵀ - V⁻¹ ⊗ I."""
     R, T = problem.R, problem.T
     RT = R * T
     S0, S1, S2 = _unflatten(S, RT, ctx.iu)
     mu = S1 / S0
     C = S2 / S0 - np.outer(mu, mu)
-    Li = problem.Linv
-    big = np.kron(Li, np.eye(T))                      # (L⁻¹ ⊗ I) in the a*T + t order
-    g = (problem.P @ (ctx.Zref - problem.omega)).ravel() + big.T @ mu
-    dg = big.T @ C @ big - np.kron(problem.P, np.eye(T))
-    dmu = err / S0 + np.abs(mu) * err / S0
-    dS2 = err / S0 + np.abs(S2 / S0) * err / S0
-    dC = dS2 + np.abs(mu)[:, None] * dmu[None] + dmu[:, None] * np.abs(mu)[None]
-    ab = np.abs(big)
-    dg_err = (ab.T @ dmu).max()
-    ddg_err = (ab.T @ dC @ ab).max()
+    Pk = np.kron(problem.P, np.eye(T))
+    G = Pk @ ctx.M
+    g = Pk @ (ctx.m - problem.omega.ravel()) + G @ mu
+    dg = G @ C @ G.T - Pk
+    e0, e1, e2 = _unflatten(np.broadcast_to(err, S.shape), RT, ctx.iu)
+    S0 = S0 - e0                                      # a lower bound on the mass
+    dmu = e1 / S0 + np.abs(mu) * e0 / S0
+    dS2 = e2 / S0 + np.abs(S2 / S0) * e0 / S0
+    dC = (dS2 + np.abs(mu)[:, None] * dmu[None] + dmu[:, None] * np.abs(mu)[None]
+          + dmu[:, None] * dmu[None])
+    ab = np.abs(G)
+    dg_err = (ab @ dmu).max()
+    ddg_err = (ab @ dC @ ab.T).max()
     scale = max(np.abs(g).max(), np.abs(dg).max())
     return g.reshape(R, T), dg, max(dg_err, ddg_err) / scale
 
@@ -868,29 +1066,30 @@ def _mp_pass(problem, ctx, log, quad, mass):
     o2, x2, w2 = _parent_nodes(panels, n)
     X = np.stack([x1[o2], x2], axis=1)
     W = w1[o2] * w2
-    vals = ctx.components(X) * W[:, None]
-    size = np.abs(vals).max(axis=1)
-    skip = size < SKIP * mass
-    skipped = size[skip].sum()
-    acc = _mp_sums(problem, ctx.Zref, ctx.shift, X[~skip], W[~skip])
+    vals = ctx.components(X) * W[:, None]             # weighted by ctx.scale
+    skip = np.abs(vals).max(axis=1) < SKIP * mass
+    vals = vals / ctx.scale
+    skipped = np.abs(vals[skip]).sum(axis=0)          # their own size, per component
+    acc = _mp_sums(problem, ctx.A, ctx.m, ctx.shift, X[~skip], W[~skip])
     problem._setup_mp()
     g, dg = _assemble_mp(problem, ctx, acc)
     acc64 = np.array([float(v) for v in acc])
     _, _, bound = _assemble_np(problem, ctx, acc64, quad + skipped)
     return dict(g=g, dg=dg, error=bound, log_z=float(mp.log(acc[0]) + _mpf(ctx.shift)),
-                mp_nodes=int((~skip).sum()), skipped=skipped / mass,
+                mp_nodes=int((~skip).sum()), skipped=(skipped * ctx.scale).max() / mass,
                 rule_f64_vs_mp=np.abs(vals.sum(axis=0) - acc64).max() / mass)
 
 
 WORKERS = 2          # processes for the mpmath pass (fork); 1 = in process
 
 
-def _mp_sums(problem, Zref, shift, X, W):
-    """Σ_nodes W Σ_s e^{ℓ_s - ℓ*} [1, w_s, w_s w_sᵀ] in mpmath, split over WORKERS processes."""
+def _mp_sums(problem, A, m, shift, X, W):
+    """Σ_nodes W Σ_s e^{ℓ_s - ℓ*} [1, w_s, w_s w_sᵀ] in mpmath, w = A (Z - m) with the float64
+    entries of A and m taken as exact; split over WORKERS processes."""
     if WORKERS > 1 and len(X) > 400:
         import multiprocessing as mproc
         global _TASK
-        _TASK = (problem, Zref, shift, X, W)             # inherited by the forked workers
+        _TASK = (problem, A, m, shift, X, W)             # inherited by the forked workers
         parts = [(int(p[0]), int(p[-1]) + 1) for p in np.array_split(np.arange(len(X)), WORKERS)]
         try:
             with mproc.get_context("fork").Pool(WORKERS) as pool:
@@ -899,34 +1098,34 @@ def _mp_sums(problem, Zref, shift, X, W):
             _TASK = None
         return [mp.fsum(mp.mpf(v) for v in col) for col in zip(*out)]
     problem._setup_mp()
-    return _mp_sums_local(problem, Zref, shift, X, W)
+    return _mp_sums_local(problem, A, m, shift, X, W)
 
 
 _TASK = None
 
 
 def _mp_sums_worker(bounds):
-    problem, Zref, shift, X, W = _TASK
+    problem, A, m, shift, X, W = _TASK
     i, j = bounds
     problem._setup_mp()
-    return [mp.nstr(v, mp.dps + 5, strip_zeros=False) for v in _mp_sums_local(problem, Zref, shift, X[i:j], W[i:j])]
+    return [mp.nstr(v, mp.dps + 5, strip_zeros=False)
+            for v in _mp_sums_local(problem, A, m, shift, X[i:j], W[i:j])]
 
 
-def _mp_sums_local(problem, Zref, shift, X, W):
+def _mp_sums_local(problem, A, m, shift, X, W):
     R, T = problem.R, problem.T
     RT = R * T
     iu = list(zip(*np.triu_indices(RT)))
-    Linv = [[problem._Linv_mp[a, b] for b in range(a + 1)] for a in range(R)]
-    Zref = [[_mpf(v) for v in row] for row in Zref]
+    A = [[_mpf(v) for v in row] for row in np.asarray(A)]
+    m = [_mpf(v) for v in np.asarray(m)]
     shift = _mpf(shift)
     acc = [mp.zero] * (1 + RT + len(iu))
     for x, wgt in zip(X, W):
         wgt = _mpf(wgt)
         for ell, Z in problem.logterms_mp([_mpf(v) for v in x]):
             e = wgt * mp.exp(ell - shift)
-            dZ = [[Z[b][t] - Zref[b][t] for t in range(T)] for b in range(R)]
-            wv = [sum((Linv[a][b] * dZ[b][t] for b in range(1, a + 1)), Linv[a][0] * dZ[0][t])
-                  for a in range(R) for t in range(T)]
+            dz = [Z[a][t] - m[a * T + t] for a in range(R) for t in range(T)]
+            wv = [mp.fsum(Ai[k] * dz[k] for k in range(RT) if Ai[k]) for Ai in A]
             ew = [e * v for v in wv]
             acc[0] += e
             for k in range(RT):
@@ -937,6 +1136,7 @@ def _mp_sums_local(problem, Zref, shift, X, W):
 
 
 def _assemble_mp(problem, ctx, acc):
+    """As ``_assemble_np`` in mpmath: M = A⁻¹ of the (exact) float64 A, G = (V⁻¹ ⊗ I) M."""
     R, T = problem.R, problem.T
     RT = R * T
     S0 = acc[0]
@@ -945,18 +1145,19 @@ def _assemble_mp(problem, ctx, acc):
     for k, (i, j) in enumerate(zip(*ctx.iu)):
         S2[i][j] = S2[j][i] = acc[1 + RT + k] / S0
     C = [[S2[i][j] - mu[i] * mu[j] for j in range(RT)] for i in range(RT)]
-    Li, P = problem._Linv_mp, problem._P_mp
+    P = problem._P_mp
     om = problem._omega_mp
-    Zref = [[_mpf(v) for v in row] for row in ctx.Zref]
-    # big[(a',t),(a,t)] = Linv[a', a]
-    def big(i, j):
-        (ai, ti), (aj, tj) = divmod(i, T), divmod(j, T)
-        return Li[ai, aj] if ti == tj else mp.zero
-    g = [[mp.fsum(P[a, b] * (Zref[b][t] - om[b][t]) for b in range(R))
-          + mp.fsum(big(k, a * T + t) * mu[k] for k in range(RT)) for t in range(T)] for a in range(R)]
-    CB = [[mp.fsum(C[i][k] * big(k, j) for k in range(RT)) for j in range(RT)] for i in range(RT)]
-    dg = [[mp.fsum(big(k, i) * CB[k][j] for k in range(RT))
-           - (P[i // T, j // T] if i % T == j % T else 0) for j in range(RT)] for i in range(RT)]
+    M = _mp_matrix(ctx.A) ** -1
+    m = [_mpf(v) for v in ctx.m]
+
+    def Pk(i, j):
+        return P[i // T, j // T] if i % T == j % T else mp.zero
+    G = [[mp.fsum(Pk(i, k) * M[k, j] for k in range(RT)) for j in range(RT)] for i in range(RT)]
+    g = [[mp.fsum(Pk(a * T + t, k) * (m[k] - om[k // T][k % T]) for k in range(RT))
+          + mp.fsum(G[a * T + t][k] * mu[k] for k in range(RT)) for t in range(T)] for a in range(R)]
+    GC = [[mp.fsum(G[i][k] * C[k][j] for k in range(RT)) for j in range(RT)] for i in range(RT)]
+    dg = [[mp.fsum(GC[i][k] * G[j][k] for k in range(RT)) - Pk(i, j) for j in range(RT)]
+          for i in range(RT)]
     return (np.array([[float(v) for v in row] for row in g]),
             np.array([[float(v) for v in row] for row in dg]))
 
@@ -973,8 +1174,15 @@ def _reference(problem, tol, n, grid_n, mp_pass, fixed=False):
     t0 = time.perf_counter()
     res, info = _integrate(problem, tol, n, grid_n, mp_pass, fixed)
     while not fixed and res["error"] > TARGET and tol > 1e-14:
+        last, last_tol = res["error"], tol
         tol = max(1e-14, tol * TARGET / res["error"] / 10)
         res, info = _integrate(problem, tol, n, grid_n, mp_pass, fixed)
+        if res["error"] > TARGET and res["error"] > 0.5 * last:
+            # no progress (the float64 noise floor of the estimates, or the panel caps): the
+            # looser tol again, with the mpmath pass, and its (too large) bound is reported
+            tol = last_tol
+            res, info = _integrate(problem, tol, n, grid_n, mp_pass, fixed, final=True)
+            break
     info["tol"] = tol
     return Reference(res["g"], res["dg"], res["log_z"], res["error"], time.perf_counter() - t0, info)
 

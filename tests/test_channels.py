@@ -306,7 +306,7 @@ def test_reparam_l2_laplace_path_is_cross_checked():
     assert ref.metric(plain.g_out[0], plain.dg_out[0], r.g_out, r.dg_out) > 1e-7
 
 
-@pytest.mark.xfail(strict=False, reason="known defect of the reference (issue 3 open): with a near-singular V at an angle to the layers the posterior is a thin curved ridge that its inner panels can miss: on 2 of 10 such draws it certified ≤ 2.4e-9 but was off by 6.3e-6 and 7.6e-5 (the channel and an independent brute-force rule agree to ≤ 1.2e-6), and on 2 others it ran out of memory; 'unrelated y' with V ≈ 3e-3: its tail bound does not certify")
+@pytest.mark.xfail(strict=False, reason="known defects (issue 3 open), near-singular V only (24 replicated draws against an independent brute-force rule): the channel is off by 4.5e-6 on one (reference and brute force agree to 4e-10); where max|dg_out| is ≈ 1e-4 ‖V⁻¹‖ (y barely informative along V's thin direction) the metric needs Cov(Z|y) to ≈ 1e-13 relative, and the reference either certifies only 1.6e-8 … 4.2e-8 (> REF_TOL) or needs minutes (4 of 24 over 300 s); the 4 default examples pass")
 @examples(4)
 @given(data=st.data())
 def test_reparam_l2_adversarial(data):
