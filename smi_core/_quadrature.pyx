@@ -965,11 +965,16 @@ cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, 
 
 
 cdef double _region(Site* s, int m, const double* c, const double* h, double* S, double* scratch,
-                    const double* scale, int* axis) noexcept nogil:
+                    const double* whiten, int* axis) noexcept nogil:
     """Genz–Malik degree-7 rule on the box c ± h (component m): moment sums into S (1 + RT + RT²),
-    returns the error (|7-rule - 5-rule| in mass and scaled moments) and the axis to split."""
+    returns the error and the axis to split.  Error: Σ of the absolute entries of the 7-rule -
+    5-rule difference in mass, W·S1 and W·S2·Wᵀ (the upper triangle), W = ``whiten`` (RT × RT,
+    L⁻¹ ⊗ I_T for V = LLᵀ: then an error ε·mass moves g_out by ≤ ε/√λ_min(V) and dg_out =
+    V⁻¹(Cov - V)V⁻¹ by ≤ ε/λ_min(V)).  ``scratch``: n + d + 2 RT² values."""
     cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, i, j, a, b, k, corner
-    cdef double vol = 1.0, fd, fdmax = -1.0, f0, fp2, fm2, fp3, fm3, err
+    cdef double vol = 1.0, fd, fdmax = -1.0, f0, fp2, fm2, fp3, fm3, err, t
+    cdef double* D
+    cdef double* WD
     cdef double w1 = (12824.0 - 9120.0 * d + 400.0 * d * d) / 19683.0, w2 = 980.0 / 6561.0
     cdef double w3 = (1820.0 - 400.0 * d) / 19683.0, w4 = 200.0 / 19683.0
     cdef double w5 = 6859.0 / 19683.0 / (1 << d)
@@ -1010,11 +1015,26 @@ cdef double _region(Site* s, int m, const double* c, const double* h, double* S,
         for i in range(d):
             xi[i] = c[i] + (GM_L5 if (corner >> i) & 1 else -GM_L5) * h[i]
         _point(s, m, xi, vol * w5, S, S + 1, S + 1 + RT, 0.0, Sb, Sb + 1, Sb + 1 + RT)
+    D = xi + d                                  # the second moments' difference, then W·D
+    WD = D + RT * RT
+    for a in range(RT):
+        for b in range(a, RT):
+            D[a * RT + b] = D[b * RT + a] = S[1 + RT + a * RT + b] - Sb[1 + RT + a * RT + b]
     err = fabs(S[0] - Sb[0])
     for a in range(RT):
-        err += fabs(S[1 + a] - Sb[1 + a]) / scale[a]
+        t = 0.0
+        for b in range(RT):
+            t += whiten[a * RT + b] * (S[1 + b] - Sb[1 + b])
+            WD[a * RT + b] = 0.0
+            for k in range(RT):
+                WD[a * RT + b] += whiten[a * RT + k] * D[k * RT + b]
+        err += fabs(t)
+    for a in range(RT):
         for b in range(a, RT):
-            err += fabs(S[1 + RT + a * RT + b] - Sb[1 + RT + a * RT + b]) / (scale[a] * scale[b])
+            t = 0.0
+            for k in range(RT):
+                t += WD[a * RT + k] * whiten[b * RT + k]
+            err += fabs(t)
     return err
 
 
@@ -1047,7 +1067,7 @@ cdef inline int _heap_pop(int* heap, int* size, const double* key) noexcept nogi
     return top
 
 
-cdef void _adaptive_one(Site* s, const double* scale, double bound, double tol, int max_regions,
+cdef void _adaptive_one(Site* s, const double* whiten, double bound, double tol, int max_regions,
                         double* log_z, double* mean, double* second, int* used,
                         double* achieved) noexcept nogil:
     """Start from the 2^d orthant boxes of ±bound (whitened coordinates) of every active piece."""
@@ -1064,12 +1084,12 @@ cdef void _adaptive_one(Site* s, const double* scale, double bound, double tol, 
                 h[count * d + i] = 0.5 * bound
             piece[count] = m
             count += 1
-    _adaptive_regions(s, scale, c, h, piece, count, tol, max_regions, log_z, mean, second, used, achieved)
+    _adaptive_regions(s, whiten, c, h, piece, count, tol, max_regions, log_z, mean, second, used, achieved)
     free(c)
     free(piece)
 
 
-cdef void _adaptive_regions(Site* s, const double* scale, const double* c0, const double* h0,
+cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, const double* h0,
                             const int* piece, int n0, double tol, int max_regions,
                             double* log_z, double* mean, double* second, int* used,
                             double* achieved) noexcept nogil:
@@ -1085,14 +1105,14 @@ cdef void _adaptive_regions(Site* s, const double* scale, const double* c0, cons
     cdef int* raxis = rm + max_regions
     cdef int* heap = raxis + max_regions
     cdef int size = 0
-    cdef double* scratch = <double*> malloc((n + d) * sizeof(double))
+    cdef double* scratch = <double*> malloc((n + d + 2 * RT * RT) * sizeof(double))
     cdef double err_total = 0.0, mass = 0.0
     for k in range(min(n0, max_regions)):
         for i in range(d):
             rc[count * d + i] = c0[k * d + i]
             rh[count * d + i] = h0[k * d + i]
         rm[count] = piece[k]
-        rerr[count] = _region(s, rm[count], rc + count * d, rh + count * d, rS + count * n, scratch, scale, raxis + count)
+        rerr[count] = _region(s, rm[count], rc + count * d, rh + count * d, rS + count * n, scratch, whiten, raxis + count)
         err_total += rerr[count]
         mass += rS[count * n]
         count += 1
@@ -1113,7 +1133,7 @@ cdef void _adaptive_regions(Site* s, const double* scale, const double* c0, cons
         count += 1
         for j in range(2):
             k = best if j == 0 else count - 1
-            rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, scale, raxis + k)
+            rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, whiten, raxis + k)
             err_total += rerr[k]
             mass += rS[k * n]
             _heap_push(heap, &size, rerr, k)
@@ -1140,12 +1160,13 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                        const double[::1] const0, const double[:, :, ::1] centers,
                        const double[:, :, :, ::1] A, const double[:, :, :, ::1] H,
                        const double[:, ::1] logh, const double[:, ::1] ref,
-                       const double[:, ::1] scale, int R, int T, int n_node, double delta,
+                       const double[:, :, ::1] whiten, int R, int T, int n_node, double delta,
                        double tol, int max_regions, double bound,
                        double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                        int[::1] used, double[::1] achieved, int threads=0):
     """Adaptive Genz–Malik cubature of every partition piece over the box ±bound (whitened
-    coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached."""
+    coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached
+    (the moments' differences whitened by ``whiten``, (n, RT, RT): see ``_region``)."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -1155,36 +1176,40 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
             _adaptive_sample(route, f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0],
                              &Vinv[i, 0, 0], const0[i], &centers[i, 0, 0], &A[i, 0, 0, 0],
                              &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], centers.shape[2],
-                             &ref[i, 0], &scale[i, 0], R, T, n_node, delta, tol, max_regions, bound,
+                             &ref[i, 0], &whiten[i, 0, 0], R, T, n_node, delta, tol, max_regions, bound,
                              &log_z[i], &mean[i, 0], &second[i, 0, 0], &used[i], &achieved[i])
 
 
 cdef void _adaptive_sample(int route, kernel_t f, const double* par, const double* data, int n_data,
                            const double* omega, const double* Vinv, double const0,
                            const double* centers, const double* A, const double* H,
-                           const double* logh, int M, int d, const double* ref, const double* scale,
+                           const double* logh, int M, int d, const double* ref, const double* whiten,
                            int R, int T, int n_node, double delta, double tol, int max_regions,
                            double bound, double* log_z, double* mean, double* second,
                            int* used, double* achieved) noexcept nogil:
     cdef Site s
     cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
                                    A, H, logh, M, d, ref, R, T, n_node, delta)
-    _adaptive_one(&s, scale, bound, tol, max_regions, log_z, mean, second, used, achieved)
+    _adaptive_one(&s, whiten, bound, tol, max_regions, log_z, mean, second, used, achieved)
     free(work)
 
 
 def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, ::1] u,
-                             const double[:, ::1] omega, const double[:, :, ::1] Vinv,
+                             const double[:, ::1] omega, const double[:, ::1] ref,
+                             const double[:, :, ::1] Vinv,
                              const double[::1] const0, const double[::1] shift,
                              const double[:, ::1] boxes, const long[::1] start,
-                             const double[:, ::1] scale, double tol, int max_regions,
+                             const double[:, :, ::1] whiten, const double[::1] tol, int max_regions,
                              double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                              int[::1] used, double[::1] achieved, int threads=0):
     """Route 0, L = 2: adaptive Genz–Malik cubature in x = h_1 = √t (cos θ, sin θ) over
     t ≥ 0, θ ∈ [0, π) (the reflection -x is a term of every point), from the initial boxes
     rows start[i]:start[i+1] of ``boxes`` = [t, θ, half-width in t, in θ] (the caller refines
-    them about the expected peaks), until Σ|I7 - I5| ≤ tol · mass.  ``shift`` ≈ the largest
-    log integrand (the sums are kept relative to it).  Moments about ω, as ``integrate``."""
+    them about the expected peaks), until Σ|I7 - I5| ≤ tol[i] · mass (whitened, as
+    ``integrate_adaptive``).  ``shift`` ≈ the largest
+    log integrand (the sums are kept relative to it).  Moments about ``ref`` (n, 4), as
+    ``integrate`` (Z at the highest peak: moments about a far ω would lose the covariance along a
+    near-singular V's thin direction to cancellation)."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -1193,15 +1218,15 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
         raise ValueError("integrate_polar_adaptive needs L = 2, T = 2 and boxes of 4 values")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_adaptive_sample(f, &params[0], &u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], const0[i],
+            _polar_adaptive_sample(f, &params[0], &u[i, 0], &omega[i, 0], &ref[i, 0], &Vinv[i, 0, 0], const0[i],
                                    shift[i], &boxes[start[i], 0], start[i + 1] - start[i],
-                                   &scale[i, 0], tol, max_regions, &log_z[i], &mean[i, 0],
+                                   &whiten[i, 0, 0], tol[i], max_regions, &log_z[i], &mean[i, 0],
                                    &second[i, 0, 0], &used[i], &achieved[i])
 
 
 cdef void _polar_adaptive_sample(kernel_t f, const double* par, const double* u, const double* omega,
-                                 const double* Vinv, double const0, double shift,
-                                 const double* boxes, Py_ssize_t nb, const double* scale, double tol,
+                                 const double* ref, const double* Vinv, double const0, double shift,
+                                 const double* boxes, Py_ssize_t nb, const double* whiten, double tol,
                                  int max_regions, double* log_z, double* mean, double* second,
                                  int* used, double* achieved) noexcept nogil:
     cdef Site s
@@ -1210,13 +1235,13 @@ cdef void _polar_adaptive_sample(kernel_t f, const double* par, const double* u,
     cdef double* ch = <double*> malloc(4 * nb * sizeof(double))
     cdef int* piece = <int*> malloc(nb * sizeof(int))
     cdef double* work = _site_init(&s, 0, f, par, u, 2, omega, Vinv, const0, NULL, NULL, NULL,
-                                   &logh, 1, 2, omega, 2, 2, 3, 0.0)
+                                   &logh, 1, 2, ref, 2, 2, 3, 0.0)
     s.polar, s.shift = 1, shift
     for k in range(nb):
         ch[2 * k], ch[2 * k + 1] = boxes[4 * k], boxes[4 * k + 1]
         ch[2 * nb + 2 * k], ch[2 * nb + 2 * k + 1] = boxes[4 * k + 2], boxes[4 * k + 3]
         piece[k] = 0
-    _adaptive_regions(&s, scale, ch, ch + 2 * nb, piece, <int> nb, tol, max_regions,
+    _adaptive_regions(&s, whiten, ch, ch + 2 * nb, piece, <int> nb, tol, max_regions,
                       log_z, mean, second, used, achieved)
     free(ch)
     free(piece)
