@@ -560,6 +560,8 @@ class ReparamChannel(PolarRule, Channel):
         the channel's, else PINNED["tol"]) in Σ|I7 - I5| / mass of the moments whitened by V's
         Cholesky factor; that ratio is the error estimate."""
         n = len(omega)
+        if tol is None:
+            tol = self.tol or self.PINNED["tol"]
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         peaks, cov, logf, signs = self._pinned_peaks(u, omega, V, Vinv, logdetV)
         tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
@@ -575,7 +577,7 @@ class ReparamChannel(PolarRule, Channel):
         _quadrature.integrate_polar_adaptive(self._node_kernel.capsule(), self.model.params, u,
                                              np.ascontiguousarray(omega.reshape(n, 4)), np.ascontiguousarray(ref),
                                              Vinv, const0, shift, boxes, start, _whitening(V, 2),
-                                             np.broadcast_to(np.asarray(tol or self.tol or self.PINNED["tol"], float), n).copy(),
+                                             np.broadcast_to(np.asarray(tol, float), n).copy(),
                                              max_regions or self.PINNED["max_regions"],
                                              log_z, mean, second, used, achieved, self.threads)
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved

@@ -314,6 +314,23 @@ UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
                                  [-0.28241941672037185, 0.6849194576045936]]), kind="near-singular V")
 
 
+def test_reparam_l2_cross_check_batch():
+    """With ``tol`` the Laplace path's cross-check runs each sample to its own tolerance
+    (tol/100/κ): a batch gives each sample's moments as it gives them alone (a batch of
+    several had raised a ValueError on the per-sample tolerances)."""
+    rng = np.random.default_rng(5)
+    omega = rng.standard_normal((3, 2, 2))
+    y = model(2).forward(omega + 0.1 * rng.standard_normal((3, 2, 2)))
+    V = np.array([[0.011, 0.004], [0.004, 0.009]])
+    ch = channel(2)
+    assert (ch._polar_weight(omega, np.broadcast_to(V, (3, 2, 2))) == 0).all()     # the Laplace path
+    batch = ch.moments(y, omega, V)
+    for i in range(3):
+        alone = ch.moments(y[i:i + 1], omega[i:i + 1], V)
+        np.testing.assert_allclose(batch.dg_out[i], alone.dg_out[0], rtol=1e-12, atol=1e-12 * np.abs(alone.dg_out).max())
+        np.testing.assert_allclose(batch.g_out[i], alone.g_out[0], rtol=1e-12, atol=1e-12 * np.abs(alone.g_out).max())
+
+
 @pytest.mark.slow
 def test_reparam_l2_near_singular_uninformative_draw():
     """A near-singular V (eigenvalues 0.80, 1.9e-4) with y barely informative along its thin
