@@ -233,8 +233,7 @@ class Channel:
         n, R, T = len(omega), self.R, self.T
         EZ = mean.reshape(n, R, T)
         g_out = np.einsum("nab,nbt->nat", Vinv, EZ - omega)
-        P = np.einsum("nab,ts->natbs", Vinv, np.eye(T)).reshape(n, R * T, R * T)
-        VI = np.einsum("nab,ts->natbs", V, np.eye(T)).reshape(n, R * T, R * T)
+        P, VI = _per_token(Vinv, T), _per_token(V, T)
         dg_out = P @ (cov - VI) @ P
         dg_out = 0.5 * (dg_out + np.swapaxes(dg_out, 1, 2))
         if check:
@@ -249,8 +248,7 @@ class Channel:
 def _spread_of(moments):
     """max over (g_out, dg_out) entries of the spread between the moments (two rules: their
     difference; several scramblings: their standard deviation), over the largest entry."""
-    n = len(moments[0].g_out)
-    parts = np.array([np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1) for m in moments])
+    parts = np.array([_entries(m) for m in moments])
     spread = np.abs(parts[0] - parts[1]) if len(parts) == 2 else parts.std(axis=0, ddof=1)
     scale = np.abs(parts).max(axis=(0, 2))
     return spread.max(axis=1) / np.where(scale > 0, scale, 1.0)
@@ -263,8 +261,7 @@ def _amplification(V, moments):
     near-singular and y barely informative along its thin direction (M ≪ ‖V⁻¹‖: dg_out is a
     difference of nearly equal terms)."""
     lam = np.linalg.eigvalsh(V)[:, 0]
-    n = len(lam)
-    size = np.abs(np.concatenate([moments.g_out.reshape(n, -1), moments.dg_out.reshape(n, -1)], 1)).max(axis=1)
+    size = np.abs(_entries(moments)).max(axis=1)
     with np.errstate(divide="ignore"):
         return np.maximum(1.0, np.maximum(lam ** -0.5, 1.0 / lam) / size)
 
@@ -272,9 +269,19 @@ def _amplification(V, moments):
 def _whitening(V, T):
     """W = L⁻¹ ⊗ I_T (n, RT, RT), index a*T + t, for V = LLᵀ: the adaptive rules' error is in
     W·(moments)·Wᵀ (``_quadrature._region``)."""
-    Linv = np.linalg.inv(np.linalg.cholesky(V))
-    n, R = Linv.shape[:2]
-    return np.ascontiguousarray(np.einsum("nab,ts->natbs", Linv, np.eye(T)).reshape(n, R * T, R * T))
+    return np.ascontiguousarray(_per_token(np.linalg.inv(np.linalg.cholesky(V)), T))
+
+
+def _per_token(M, T):
+    """M ⊗ I_T per sample: (n, R, R) → (n, RT, RT), index a*T + t."""
+    n, R = M.shape[:2]
+    return np.einsum("nab,ts->natbs", M, np.eye(T)).reshape(n, R * T, R * T)
+
+
+def _entries(m):
+    """The entries of (g_out, dg_out) per sample, (n, RT + (RT)²)."""
+    n = len(m.g_out)
+    return np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1)
 
 
 def _one_layer(model, threads):
@@ -612,9 +619,7 @@ class ReparamChannel(PolarRule, Channel):
     def _prior(self, omega, V):
         """The prior of x = h_{<L}: N(ω_{<L}, V_{<L,<L} ⊗ I_T)."""
         L, T = self.model.layers, self.T
-        prec = np.linalg.inv(V[:, :L - 1, :L - 1])
-        P = np.einsum("nab,ts->natbs", prec, np.eye(T)).reshape(len(V), (L - 1) * T, (L - 1) * T)
-        return omega[:, :L - 1].reshape(len(V), -1), P
+        return omega[:, :L - 1].reshape(len(V), -1), _per_token(np.linalg.inv(V[:, :L - 1, :L - 1]), T)
 
     def _points(self, u, omega, Vinv, logdetV):
         """L = 1: the posterior is the two points ±u_L."""
@@ -725,8 +730,7 @@ class NoisyChannel(PolarRule, Channel):
 
     def _prior(self, omega, V):
         """The prior of x = Z: N(ω, V ⊗ I_T)."""
-        P = np.einsum("nab,ts->natbs", np.linalg.inv(V), np.eye(self.T))
-        return omega.reshape(len(V), -1), P.reshape(len(V), self.R * self.T, self.R * self.T)
+        return omega.reshape(len(V), -1), _per_token(np.linalg.inv(V), self.T)
 
 
 class ClosedChannel:
