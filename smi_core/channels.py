@@ -428,8 +428,8 @@ class ReparamChannel(PolarRule, Channel):
         of the Laplace moments; up to PINNED["cross_regions"] regions), whose result is kept;
         the error is the larger of its estimate·κ / PINNED["cross"] and the difference between
         the two rules (κ: on a near-singular draw with y uninformative along V's thin direction,
-        κ ≈ 3e3, the rule at tol·PINNED["cross"] alone was 4.5e-6 off, now 1.1e-8).  The Laplace rule's estimate (the difference of two Gauss–Hermite rules)
-        misses a posterior that is a thin curved ridge (near-singular V at an angle to the
+        κ ≈ 3e3, the rule at tol·PINNED["cross"] alone was 4.5e-6 off, now 1.1e-8).  The
+        Laplace rule's estimate (the difference of two Gauss–Hermite rules) misses a posterior that is a thin curved ridge (near-singular V at an angle to the
         layers): on such draws it was off by 1.3e-6 to 9e-6 while estimating 1e-9 to 1e-7; the
         adaptive rule at 1e-9 was within 7e-8 of an independent brute-force rule on 9 of 10
         such draws and 1.2e-6 off on the tenth (estimating 1e-9), hence the difference."""
@@ -574,9 +574,9 @@ class ReparamChannel(PolarRule, Channel):
         tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
         boxes, start = self._pinned_boxes(peaks, cov, logf, tmax)
         const0 = -(2 * np.log(2 * np.pi) + logdetV)
-        shift = np.where(np.isfinite(logf).any(axis=1), logf.max(axis=1), const0)
-        best = np.argmax(logf, axis=1)              # moments about Z at the highest peak
         found = np.isfinite(logf).any(axis=1)
+        shift = np.where(found, logf.max(axis=1), const0)
+        best = np.argmax(logf, axis=1)              # moments about Z at the highest peak
         ref = np.where(found[:, None], self._point(u, peaks[np.arange(n), best], signs[np.arange(n), best]),
                        omega.reshape(n, 4))
         log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))

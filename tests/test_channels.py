@@ -306,14 +306,6 @@ def test_reparam_l2_laplace_path_is_cross_checked():
     assert ref.metric(plain.g_out[0], plain.dg_out[0], r.g_out, r.dg_out) > 1e-7
 
 
-UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
-                                 [0.5542154394121421, 0.44578456058785787]]),
-                     omega=np.array([[0.836948746158859, 1.1163576382929181],
-                                     [0.5397818801766787, 1.2360529929535773]]),
-                     V=np.array([[0.11667523194814422, -0.28241941672037185],
-                                 [-0.28241941672037185, 0.6849194576045936]]), kind="near-singular V")
-
-
 def test_reparam_l2_cross_check_batch():
     """With ``tol`` the Laplace path's cross-check runs each sample to its own tolerance
     (tol/100/κ): a batch gives each sample's moments as it gives them alone (a batch of
@@ -331,13 +323,21 @@ def test_reparam_l2_cross_check_batch():
         np.testing.assert_allclose(batch.g_out[i], alone.g_out[0], rtol=1e-12, atol=1e-12 * np.abs(alone.g_out).max())
 
 
+UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
+                                 [0.5542154394121421, 0.44578456058785787]]),
+                     omega=np.array([[0.836948746158859, 1.1163576382929181],
+                                     [0.5397818801766787, 1.2360529929535773]]),
+                     V=np.array([[0.11667523194814422, -0.28241941672037185],
+                                 [-0.28241941672037185, 0.6849194576045936]]), kind="near-singular V")
+
+
 @pytest.mark.slow
 def test_reparam_l2_near_singular_uninformative_draw():
     """A near-singular V (eigenvalues 0.80, 1.9e-4) with y barely informative along its thin
     direction: max|dg_out| = 1.3 against ‖V⁻¹‖ = 5.3e3, so dg_out = V⁻¹(Cov - V)V⁻¹ needs Cov
     to ≈ 1e-13 relative.  With tol = 1e-7 the cross-check's adaptive rule ran to a whitened
     1e-9 and was 4.5e-6 off (its estimate said so); its tolerance is now divided by the
-    amplification κ ≈ 3e3 (``channels._amplification``).  The reference takes ≈ 3 minutes
+    amplification κ ≈ 3e3 (``channels._amplification``).  The reference takes 1.5–3 minutes
     here; an independent brute-force rule agrees with it to 4e-10."""
     check_l2(UNINFORMATIVE)
 
