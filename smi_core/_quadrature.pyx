@@ -579,7 +579,8 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const double[:, :, ::1] Vinv, const double[::1] logdetV,
                     const long[::1] seg_ptr, const long[::1] seg_start, const long[::1] seg_stop,
                     const double[:, ::1] nodes, double[::1] log_z, double[:, ::1] mean,
-                    double[:, :, ::1] second, int threads=0, double delta=0.0):
+                    double[:, :, ::1] second, int threads=0, double delta=0.0,
+                    const long[::1] seg_ring=None, const long[:, :, ::1] window=None):
     """T = 2 polar rules on nodes shared by groups of samples: sample i runs over the node
     ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1] (the nodes' data computed
     once for the whole group), with its own ω, V⁻¹.  ``nodes`` holds one node per column
@@ -595,7 +596,10 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     The integrand is folded over every reflection h_ℓ → -h_ℓ (Φ and g are even in each layer),
     so each layer's nodes cover a half plane and every node carries 2^L terms.  Moments about
     ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ].  Tiles of nodes all below e^-SMI_SKIP of the
-    running maximum are left out."""
+    running maximum are left out.  With ``window`` (n, rings, 5) and ``seg_ring``: segment j
+    runs over consecutive rings of the last layer from ring seg_ring[j], ring l of sample i
+    holding window[i, l, 0] nodes of which only the ranges [lo, hi) = window[i, l, 1:3] and
+    window[i, l, 3:5] count (the sample's arcs)."""
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int L = Vinv.shape[1], noisy = delta > 0
     if threads <= 0:
@@ -606,11 +610,19 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
             or (1 <= L <= 2 and nodes.shape[0] == 2 * L + 10 and noisy and u.shape[1] == 4)):
         raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
                          f"(route 0), or 1 ≤ L ≤ 2, nodes of 2L + 10 values and 4 outputs (route 1)")
+    cdef const long* ring = NULL
+    cdef const long* win = NULL
+    if window is not None:
+        if seg_ring is None or seg_ring.shape[0] != seg_start.shape[0] or window.shape[0] != n or window.shape[2] != 5:
+            raise ValueError("integrate_polar needs seg_ring per segment and window (n, rings, 5) together")
+        ring, win = &seg_ring[0], &window[0, 0, 0]
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta, &nodes[0, 0],
                           nodes.shape[0], nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
-                          seg_ptr[i + 1] - seg_ptr[i], &log_z[i], &mean[i, 0], &second[i, 0, 0])
+                          seg_ptr[i + 1] - seg_ptr[i], ring if ring == NULL else ring + seg_ptr[i],
+                          win if win == NULL else win + i * window.shape[1] * 5,
+                          &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long R2,
@@ -653,23 +665,23 @@ cdef void _product_block(long b, long row, long R1, long R2, const double[:, ::1
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
                         int L, double delta, const double* nodes, Py_ssize_t rows, Py_ssize_t stride,
                         const long* seg_start, const long* seg_stop, Py_ssize_t n_seg,
+                        const long* seg_ring, const long* window,
                         double* log_z, double* mean, double* second) noexcept nogil:
     """One sample of ``integrate_polar`` (node k's value j < rows at nodes[j·stride + k]) over
-    its segments: L ≥ 2 by tiles of SMI_TILE nodes (``_polar_tile``: ``smi_polar2``,
-    ``smi_polar3``, two passes each, the tiles' sums merged at their maxima), whole tiles of a
-    segment read in place and the rest (its last, partial tile) gathered into a tile with the
-    next segments'; L = 1 (route 1) node by node with a
+    its segments (with ``window``: each segment's rings cut to the sample's arcs): L ≥ 2 by
+    tiles of SMI_TILE nodes (``_polar_range``); L = 1 (route 1) node by node with a
     running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log constant and the two
     terms ±h_1)."""
     cdef Acc acc
-    cdef Py_ssize_t k, s, end
+    cdef Py_ssize_t k, s, end, a = 0, b = 0
     cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's row
     cdef double h[2]
     cdef double lc, r2
+    cdef const long* w
     cdef double* buf = NULL
     cdef double* part = NULL
     cdef double* gather = NULL
-    cdef Py_ssize_t cnt, filled = 0
+    cdef Py_ssize_t filled = 0
     cdef double const0 = -(L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
@@ -680,19 +692,21 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
         part = gather + rows * SMI_TILE
     for s in range(n_seg):
         k, end = seg_start[s], seg_stop[s]
-        if L >= 2:                      # by tiles, two passes each (smi_polar2, 3: vectorised)
-            while k < end:
-                cnt = min(SMI_TILE - filled, end - k)
-                if filled == 0 and cnt == SMI_TILE:     # a whole tile of the segment: in place
-                    _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, nodes + k, stride, cnt, buf, part)
-                else:                                   # short pieces: gathered into one tile
-                    for j in range(rows):
-                        memcpy(gather + j * SMI_TILE + filled, nodes + j * stride + k, cnt * sizeof(double))
-                    filled += cnt
-                    if filled == SMI_TILE:
-                        _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled, buf, part)
-                        filled = 0
-                k += cnt
+        if L >= 2 and window != NULL:   # ring by ring: [count, lo, hi, lo', hi'] of the sample's arcs
+            w = window + 5 * seg_ring[s]
+            while k < end:              # adjoining pieces run as one range [a, b)
+                for j in range(3, 0, -2):
+                    if w[j + 1] > w[j]:
+                        if k + w[j] != b:
+                            _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, a,
+                                         b, &filled, gather, buf, part)
+                            a = k + w[j]
+                        b = k + w[j + 1]
+                k += w[0]
+                w += 5
+        elif L >= 2:
+            _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, k, end, &filled,
+                         gather, buf, part)
         else:                           # L = 1 (route 1): h_1 = u_1, the terms ±u_1
             for k in range(k, end):
                 r2 = 0.0
@@ -703,10 +717,35 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                 for j in range(2):      # g is even in u_1
                     h[0], h[1] = -h[0], -h[1]
                     _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
+    _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, a, b, &filled, gather,
+                 buf, part)
     if filled:
         _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled, buf, part)
     free(buf)
     _acc_finish(&acc, log_z, mean, second)
+
+
+cdef inline void _polar_range(Acc* acc, const double* u, const double* omega, const double* Vinv,
+                              double const0, double delta, int L, int m, const double* nodes,
+                              Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t k, Py_ssize_t end,
+                              Py_ssize_t* filled, double* gather, double* buf, double* part) noexcept nogil:
+    """Nodes k:end into the sums by tiles (``_polar_tile``: ``smi_polar2``, ``smi_polar3``, two
+    passes each, the tiles' sums merged at their maxima): whole tiles read in place, short
+    pieces gathered into a tile with the next ranges' (``filled`` of it so far)."""
+    cdef Py_ssize_t cnt
+    cdef int j
+    while k < end:
+        cnt = min(SMI_TILE - filled[0], end - k)
+        if filled[0] == 0 and cnt == SMI_TILE:
+            _polar_tile(acc, u, omega, Vinv, const0, delta, L, m, nodes + k, stride, cnt, buf, part)
+        else:
+            for j in range(rows):
+                memcpy(gather + j * SMI_TILE + filled[0], nodes + j * stride + k, cnt * sizeof(double))
+            filled[0] += cnt
+            if filled[0] == SMI_TILE:
+                _polar_tile(acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled[0], buf, part)
+                filled[0] = 0
+        k += cnt
 
 
 cdef inline void _polar_tile(Acc* acc, const double* u, const double* omega, const double* Vinv,

@@ -6,7 +6,9 @@ cliffs only make the angular integrand vary fast, and a periodic trapezoid rule 
 Gauss–Legendre in r converges geometrically.  Each integrated layer gets such a rule and the
 integral takes their product (``_polar_nodes``).  The nodes depend on a sample only through V
 and the |ω_ℓ|, so samples with the same V and close |ω_ℓ| share them, and every node's
-sample-independent data (Φ⁻¹, log|det Φ|, …) is computed once for the whole group.
+sample-independent data (Φ⁻¹, log|det Φ|, …) is computed once for the whole group; each sample
+runs only over the nodes within reach of its own prior (radii, and with two layers the arcs
+about ±ω_ℓ: at q → 1 the prior concentrates on a few of a ring's angles).
 
 ``PolarRule`` is a mixin of the channels: a channel names the layers it integrates
 (``_polar_layers``), the node data (``_polar_data``) and what each sample contributes
@@ -25,7 +27,8 @@ class Rings(NamedTuple):
     """One layer's polar rule for every group (``PolarRule._polar_rings``): the nodes ``x``
     (M, 2) and ``log_w``, ring after ring (groups in order, radii increasing); per group the
     ring radii, their angle counts and d(r)²/V_ℓℓ to the group's range of |ω_ℓ| (G × rings);
-    per sample the |ω_ℓ| and V_ℓℓ the rings were built for; rings from the origin or not."""
+    per sample the |ω_ℓ| and V_ℓℓ the rings were built for; rings from the origin or not; for
+    a layer by node (``_by_node``, each node a ring of its own) the nodes (G × rings × 2)."""
     x: np.ndarray
     log_w: np.ndarray
     radius: np.ndarray
@@ -34,6 +37,7 @@ class Rings(NamedTuple):
     mu: np.ndarray
     var: np.ndarray
     origin: bool
+    node: np.ndarray | None = None
 
 
 class PolarRule:
@@ -45,8 +49,8 @@ class PolarRule:
     weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
-    POLAR = dict(radial=32, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0, bin=0.25, pr=0.5,
-                 blend=0.0)
+    POLAR = dict(radial=32, density=0.0, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0,
+                 bin=0.25, pr=0.5, blend=0.0)
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
@@ -90,13 +94,15 @@ class PolarRule:
         return np.unique(keys, axis=0, return_inverse=True)[1].ravel(), mu
 
     def _polar_rings(self, group, mu, var, scale, amp, sharp=1.0, origin=False):
-        """One layer's polar rule for every group: Gauss–Legendre radii (``radial``·scale·sharp^pr
-        nodes) on [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (from 0 with
+        """One layer's polar rule for every group: Gauss–Legendre radii (max(``radial``,
+        ``density`` · the widest group's range / √V_ℓℓ)·scale·sharp^pr nodes) on
+        [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (from 0 with
         ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp,
         ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉)
         angles, midpoint rule on [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much
         Φ⁽ℓ⁻¹⁾ stretches h_ℓ into the logits; sharp > 1 where a likelihood narrows them); k = κr
-        with κ = max |ω_ℓ|/V_ℓℓ, the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
+        with κ = |ω_ℓ|/V_ℓℓ for the largest |ω_ℓ| of the group within reach of r (≤ r +
+        reach·√V_ℓℓ), the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
         (a trapezoid rule needs ∝ k points for small k, ∝ √k for large); d(r) the distance of r
         to the group's |ω_ℓ| (fewer angles where the prior is small: the trapezoid error is
         relative to the ring's mass).  ``mu``, ``var``: each sample's |ω_ℓ| and V_ℓℓ."""
@@ -110,12 +116,13 @@ class PolarRule:
         v = np.empty(G)
         v[group] = var
         sd = np.sqrt(v)
-        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(p["radial"] * scale * sharp ** p["pr"]))))
         a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
+        radial = max(p["radial"], p["density"] * ((b - a) / sd).max())
+        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(radial * scale * sharp ** p["pr"]))))
         r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
         dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
         fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))
-        kr = (hi / v)[:, None] * r                   # the prior on the ring ∝ e^{κr cos(θ - θ₀)}
+        kr = np.minimum(hi[:, None], r + p["reach"] * sd[:, None]) / v[:, None] * r  # prior ∝ e^{κr cos(θ - θ₀)}
         count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * sharp * self.model.beta * r ** 2
                                             + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
         count = np.clip(count, 2, int(p["cap"] * scale * sharp)).astype(np.int64)
@@ -132,25 +139,32 @@ class PolarRule:
     def _polar_nodes(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product of the ring layers'
         rules (``_polar_layers``), one node per column [x, log weight, ``_polar_data(x)``], by
-        blocks (one per tuple of rings, the last layer's ring fastest), and each sample's
-        segments of it.  Like each layer's radial range, the product leaves out the nodes where
-        the prior is below e^{-reach²/2}: a group keeps the blocks with Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ ≤
-        reach² (d_ℓ the distance to the group's range of |ω_ℓ|: a ball, not a box), and each
-        sample runs over those within its own ball (d_ℓ the distance to its |ω_ℓ|, or to
-        [0, |ω_ℓ|] for rings from the origin), which for each tuple of the earlier layers' rings
-        is a contiguous range of the last layer's.  Returns (nodes, seg_ptr, seg_start, seg_stop):
-        sample i runs over the node ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1]."""
+        blocks (one per tuple of rings, the last layer's ring fastest; with two layers the first
+        layer's nodes count as rings of one node each, ``_by_node``), and each sample's segments
+        of it.  Like each layer's radial range, the product leaves out the nodes where the prior
+        is below e^{-reach²/2}: a group keeps the blocks with Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ ≤ reach² (d_ℓ the
+        distance to the group's range of |ω_ℓ|: a ball, not a box), and each sample runs over
+        those within its own ball (d_ℓ the distance to its |ω_ℓ|, or to [0, |ω_ℓ|] for rings from
+        the origin), which for each tuple of the earlier layers' rings is a contiguous range of
+        the last layer's.  With two layers a sample also leaves out the nodes away from ±ω_ℓ
+        (``_arc``, ``_window``: the prior's concentration on a ring): the first layer's nodes
+        with |x_1 ∓ ω_1|²/V_11 > reach², and, for a last layer not from the origin, the angles
+        of each ring with d_2² + its arc > reach² (each ring's nodes cut to one or two ranges by
+        integrate_polar).  Returns (nodes, seg_ptr, seg_start, seg_stop, seg_ring, window):
+        sample i runs over the node ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1],
+        each from the last layer's ring seg_ring[j], cut to ``window`` (None: not cut)."""
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
         layers = self._polar_layers(group, mu, V, scale)
+        if len(layers) == 2:
+            layers[0] = _by_node(layers[0])
         reach2 = self._polar_params()["reach"] ** 2
         shape = tuple(rl.count.shape[1] for rl in layers)
-        size, far, own = np.ones((G,) + (1,) * len(layers), dtype=np.int64), 0.0, 0.0
+        size, far = np.ones((G,) + (1,) * len(layers), dtype=np.int64), 0.0
         for l, rl in enumerate(layers):         # block sizes and distances, by broadcasting
             axis = (slice(None),) + tuple(slice(None) if j == l else None for j in range(len(layers)))
             size = size * rl.count[axis]
             far = far + rl.far[axis]
-            own = own + self._sample_far(rl, group)[axis]
         size = np.where(far <= reach2, size, 0).reshape(-1)              # (G · Π shape) blocks
         bound = np.concatenate([[0], np.cumsum(size)])
         blocks = np.flatnonzero(size)
@@ -161,13 +175,18 @@ class PolarRule:
             if nodes is None:
                 nodes = np.empty((len(rows), bound[-1]))
             nodes[:, bound[part[0]]:bound[part[-1] + 1]] = rows
-        inside = (own <= reach2).reshape(len(group), -1, shape[-1])        # (n, earlier tuples, last)
-        has = inside.any(axis=2)
-        first = inside.argmax(axis=2)
-        last = shape[-1] - inside[:, :, ::-1].argmax(axis=2)
-        row = (group[:, None] * inside.shape[1] + np.arange(inside.shape[1])) * shape[-1]
+        rest, near = np.full((len(group), 1), reach2), True
+        if len(layers) == 2:                    # (n, nodes of the first layer)
+            rest = reach2 - self._sample_far(layers[0], group)
+            near = rest >= _arc(layers[0], group, omega[:, 0])
+        first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)))
+        has = near & (rest >= 0) & (last > first)
+        row = (group[:, None] * rest.shape[1] + np.arange(rest.shape[1])) * shape[-1]
         seg_ptr = np.concatenate([[0], np.cumsum(has.sum(axis=1))])
-        return nodes, seg_ptr, bound[(row + first)[has]], bound[(row + last)[has]]
+        window = None
+        if len(layers) == 2 and not layers[-1].origin:
+            window = _window(layers[-1], group, omega[:, 1], reach2 - self._sample_far(layers[-1], group))
+        return nodes, seg_ptr, bound[(row + first)[has]], bound[(row + last)[has]], first[has], window
 
     def _product(self, layers, blocks, size, shape):
         """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
@@ -198,10 +217,11 @@ class PolarRule:
         chunk = self.POLAR_CHUNK[2 * self._ring_layers]
         for first in range(0, group.max() + 1, chunk):
             idx = np.flatnonzero((group >= first) & (group < first + chunk))
-            nodes, *segments = self._polar_nodes(omega[idx], V[idx], scale)
+            nodes, *segments, ring, window = self._polar_nodes(omega[idx], V[idx], scale)
             out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
             _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
-                                        *segments, nodes, *out, self.threads, self.POLAR_DELTA)
+                                        *segments, nodes, *out, self.threads, self.POLAR_DELTA,
+                                        ring if window is not None else None, window)
             for a, b in zip((log_z, mean, second), out):
                 a[idx] = b
         return log_z, mean, second
@@ -234,3 +254,63 @@ class PolarRule:
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
         return log_z, mean, cov, error
+
+
+def _by_node(rings):
+    """The layer's rule with each node a ring of its own (groups padded to the same count with
+    empty rings at radius inf), so that a sample can leave out the nodes of a ring outside its
+    ball (its arcs away from ±ω_ℓ)."""
+    G = len(rings.count)
+    flat = rings.count.ravel()
+    ring = np.repeat(np.arange(flat.size), flat)
+    per = rings.count.sum(axis=1)
+    pos = np.arange(ring.size) - np.repeat(np.cumsum(per) - per, per)
+    g = ring // rings.count.shape[1]
+    radius, far = np.full((G, per.max()), np.inf), np.full((G, per.max()), np.inf)
+    count, node = np.zeros((G, per.max()), dtype=np.int64), np.zeros((G, per.max(), 2))
+    radius[g, pos], far[g, pos], count[g, pos] = rings.radius.ravel()[ring], rings.far.ravel()[ring], 1
+    node[g, pos] = rings.x
+    return rings._replace(radius=radius, count=count, far=far, node=node)
+
+
+def _arc(rings, group, omega):
+    """|x - ω|²/V_ℓℓ − d(r)²/V_ℓℓ = 2(r|ω| − |x·ω|)/V_ℓℓ of every node of a layer by node
+    (``_by_node``) and the sample's ω (folded: min over ±ω)."""
+    arc = rings.radius[group] * rings.mu[:, None] - np.abs(np.einsum("nkt,nt->nk", rings.node[group], omega))
+    return 2 * np.maximum(arc, 0.0) / rings.var[:, None]
+
+
+def _window(rings, group, omega, rest):
+    """Per sample and ring of its group (n, rings, 5): [count, lo, hi, lo', hi'], the angles
+    k ∈ [lo, hi) ∪ [lo', hi') of the ring whose nodes x are within reach of ±ω_ℓ given the rest
+    of the reach (``rest`` = reach² − d(r)²/V_ℓℓ): 2(r|ω| − |x·ω|)/V_ℓℓ ≤ rest, i.e. θ within
+    δ = arccos(1 − rest V_ℓℓ / (2r|ω|)) of the direction of ω modulo π (the rings' midpoint
+    angles θ_k = (k + ½)π/N)."""
+    N = rings.count[group]
+    r = rings.radius[group]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        c = 1.0 - np.maximum(rest, 0.0) * rings.var[:, None] / (2 * r * rings.mu[:, None])
+    delta = np.where(c > -1.0, np.arccos(np.clip(c, -1.0, 1.0)), np.pi) + 1e-9
+    theta = np.arctan2(omega[:, 1], omega[:, 0])[:, None]
+    lo = np.ceil((theta - delta) * N / np.pi - 0.5).astype(np.int64)
+    size = np.clip(np.floor((theta + delta) * N / np.pi - 0.5).astype(np.int64) + 1 - lo, 0, N)
+    size = np.where(rest >= 0, size, 0)
+    lo = np.where(size < N, lo % N, 0)
+    hi = lo + size
+    return np.ascontiguousarray(np.stack([N, lo, np.minimum(hi, N), np.zeros_like(lo), np.maximum(hi - N, 0)],
+                                         axis=2))
+
+
+def _ring_range(rings, group, reach):
+    """Per sample and reach (n, k): the rings of its group with d(r)²/V_ℓℓ ≤ reach², d the
+    distance to the sample's |ω_ℓ| (to [0, |ω_ℓ|] from the origin): first and last + 1 (the
+    radii increase within a group)."""
+    sd = np.sqrt(rings.var)[:, None] * reach
+    lo = np.zeros((len(group), 1)) if rings.origin else rings.mu[:, None]
+    span = rings.radius.max() + 2.0 * sd.max() + 2.0
+    key = (rings.radius + span * np.arange(len(rings.radius))[:, None]).ravel()
+    base = span * group[:, None]
+    first = np.searchsorted(key, base + np.clip(lo - sd, -1.0, span - 1.0), side="left")
+    last = np.searchsorted(key, base + np.clip(rings.mu[:, None] + sd, -1.0, span - 1.0), side="right")
+    offset = (group * rings.radius.shape[1])[:, None]
+    return first - offset, last - offset
