@@ -353,14 +353,18 @@ class ReparamChannel(PolarRule, Channel):
     POLAR_SCALE = {2: 1.0, 3: 4 / 7}    # node counts at the default ``nodes``
     # three layers: one group per V (bin = inf: each sample runs over its own ball and arcs, so
     # the node set-up is shared by the whole batch), 3 radii per √V_ℓℓ of the range (at least
-    # 20.6), 6.9 to 57 angles per ring (c0·scale, cap·scale), the prior cut at e^-15.  Max
+    # 20.6), 6.9 to 57 angles per ring (c0·scale, cap·scale; more where the prior concentrates,
+    # capk below), the prior cut at e^-15.  Max
     # error on 64 draws per q (1024-draw batches) against the previous rule at nodes = 20:
-    # 6.9e-5 / 7.3e-5 / 4.5e-5 at q = 0 / 0.3 / 0.9 (the previous defaults: 1.3e-4 / 2.9e-4 /
+    # 6.9e-5 / 6.4e-5 / 3.6e-5 at q = 0 / 0.3 / 0.9 (the previous defaults: 1.3e-4 / 2.9e-4 /
     # 9.5e-4; its groups of |ω_ℓ| cells 2√V_ℓℓ wide set up 4.5 M nodes for 1024 draws at q = 0.9,
     # against 1.3 M).  c2 = 1.5: the prior's concentration needs ≈ 2.6√k angles for 1e-6 (k the
     # von Mises concentration), c2 = 3 gave 2× the node pairs at q = 0.9 for the same error;
     # c0 and radial set the q = 0 and q = 0.3 tails (c0 = 10: 1.3e-4 at q = 0; 32 radii:
-    # 1.4e-4 at q = 0.3)
+    # 1.4e-4 at q = 0.3); capk = 0.5: the cap grows ∝ (k/k0)^¼ where the prior concentrates (a
+    # sample runs over ∝ 1/√k of such a ring), for a q = 0.9 draw whose h_2 rings at
+    # r ≈ |ω_2| = 2.4 needed ≈ 70 angles (1.6e-3 → 6.2e-5; a flat cap of 180 did the same but
+    # took q = 0.3 to 2.4 ms)
     # blend: the polar and Laplace rules are mixed for conditional sd in [0.2, 0.25] (see
     # _polar_weight): with the last layer pinned they disagree (up to 13× on 32 draws at
     # q = diag(0.96, 0.945, 0.9995)), and a hard switch made three-layer state evolution cycle
@@ -368,7 +372,8 @@ class ReparamChannel(PolarRule, Channel):
     # are accurate there and the mixture would take in the Laplace rule's unescalated error
     # (q̂₁₁ off the tol = 1e-7 channel by 3.5e-5 at q = diag(0.95, 0.998), 1024 draws, against
     # 4.6e-8 with the switch)
-    POLAR_L3 = dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, reach=5.5, bin=np.inf, blend=0.25)
+    POLAR_L3 = dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, capk=0.5, reach=5.5, bin=np.inf,
+                    blend=0.25)
 
     @property
     def _ring_layers(self):

@@ -50,7 +50,7 @@ class PolarRule:
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
     POLAR = dict(radial=32, density=0.0, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0,
-                 bin=0.25, pr=0.5, blend=0.0)
+                 bin=0.25, pr=0.5, blend=0.0, capk=0.0)
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
@@ -97,8 +97,9 @@ class PolarRule:
         """One layer's polar rule for every group: Gauss–Legendre radii (max(``radial``,
         ``density`` · the widest group's range / √V_ℓℓ)·scale·sharp^pr nodes) on
         [min |ω_ℓ| - reach·√V_ℓℓ, max |ω_ℓ| + reach·√V_ℓℓ] over the group (from 0 with
-        ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp,
-        ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1, 1 - d(r)²/(2 fade V_ℓℓ)))⌉)
+        ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp·
+        max(1, k/k0)^{capk/2}, ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1,
+        1 - d(r)²/(2 fade V_ℓℓ)))⌉)
         angles, midpoint rule on [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much
         Φ⁽ℓ⁻¹⁾ stretches h_ℓ into the logits; sharp > 1 where a likelihood narrows them); k = κr
         with κ = |ω_ℓ|/V_ℓℓ for the largest |ω_ℓ| of the group within reach of r (≤ r +
@@ -125,7 +126,8 @@ class PolarRule:
         kr = np.minimum(hi[:, None], r + p["reach"] * sd[:, None]) / v[:, None] * r  # prior ∝ e^{κr cos(θ - θ₀)}
         count = np.ceil(scale * (p["c0"] + (p["c1"] * amp * sharp * self.model.beta * r ** 2
                                             + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
-        count = np.clip(count, 2, int(p["cap"] * scale * sharp)).astype(np.int64)
+        cap = p["cap"] * scale * sharp * np.maximum(1.0, np.sqrt(kr / p["k0"])) ** p["capk"]
+        count = np.clip(count, 2, np.floor(cap)).astype(np.int64)
         flat = count.ravel()
         ring = np.repeat(np.arange(flat.size), flat)
         k = np.arange(ring.size) - np.repeat(np.cumsum(flat) - flat, flat)
