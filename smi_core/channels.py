@@ -690,6 +690,16 @@ class NoisyChannel(PolarRule, Channel):
     def _ring_layers(self):
         return self.model.layers
 
+    # two layers: one group per V (each sample runs over its own ball and its arc of h_1, so the
+    # node set-up is shared by the whole batch) with 4 radii per √V of each ring layer's range
+    # (at least 32, before POLAR_SCALE and √sharp).  64-draw batches at Δ = 0.1, without the
+    # estimate, against the previous rule at 1.5× the counts (16 draws): 3.2 / 6.8 / 20.7 ms per
+    # sample at q = 0 / 0.3 / 0.9, max error 2.7e-4 / 1.6e-4 / 1.0e-6, where groups of |ω_ℓ|
+    # cells 0.25√V wide took 3.3 / 27.4 / 45.7 ms at 2.7e-4 / 2.4e-4 / 1.2e-3
+    POLAR_L2 = dict(bin=np.inf, density=4.0)
+
+    def _polar_params(self):
+        return self.POLAR | self.POLAR_L2 if self.model.layers == 2 else self.POLAR
 
     def _polar_layers(self, group, mu, V, scale):
         """Rings of h_ℓ (ℓ < L) as the reparametrised route's, and of u_L = Φ h_L from the origin

@@ -41,7 +41,7 @@ RTOL = 1e-6          # L = 1, 2, noisy
 RTOL_L3 = 1e-4       # L = 3
 CHANNEL_TOL = 1e-7
 REF_TOL = 1e-8       # the reference's own error bound must be below this (L = 1, 2, noisy) …
-REF_TOL_L3 = 5e-5    # … and this for L = 3 (n = 5 rules; 1e-5 with n = 6 under --runslow)
+REF_TOL_L3 = 5e-5    # … and this for L = 3 (n = 5 rules; 1e-5 with n = 6 … 8 under --runslow)
 
 # Reference integrals are expensive: no shrinking (the first failing draw is reported as is).
 # Derandomised: the default run draws the same examples every time (a reproducible CI); the
@@ -381,8 +381,14 @@ def test_reparam_l2_skip_and_beta_many(data, skip, beta):
 
 # -- L = 3 (T = 2): 4-D integral ------------------------------------------------------------------
 
-def check_l3(d, n=5, ref_tol=REF_TOL_L3):
-    compare("L=3", channel(3), d, ref.reparam_l3(d.y, d.omega, d.V, n=n), RTOL_L3, ref_tol)
+def check_l3(d, n=5, ref_tol=REF_TOL_L3, n_max=None):
+    """The three-layer channel against the reference with n nodes per panel, raised up to n_max
+    while the reference's own bound is above ref_tol (its bound falls ≈ 5–20× per order)."""
+    expected = ref.reparam_l3(d.y, d.omega, d.V, n=n)
+    while n_max is not None and expected.error > ref_tol and n < n_max:
+        n += 1
+        expected = ref.reparam_l3(d.y, d.omega, d.V, n=n)
+    compare("L=3", channel(3), d, expected, RTOL_L3, ref_tol)
 
 
 @examples(1)
@@ -455,7 +461,7 @@ def test_reparam_l2_pinned_state_evolution_draws_many(data, correlated):
 @examples(10)
 @given(data=st.data())
 def test_reparam_l3_state_evolution_draws_many(data):
-    check_l3(data.draw(se_draws(3, correlated=data.draw(st.booleans()))), n=6, ref_tol=1e-5)
+    check_l3(data.draw(se_draws(3, correlated=data.draw(st.booleans()))), n=6, ref_tol=1e-5, n_max=8)
 
 
 @pytest.mark.slow
@@ -463,7 +469,7 @@ def test_reparam_l3_state_evolution_draws_many(data):
 @given(data=st.data())
 def test_reparam_l3_adversarial(data):
     check_l3(data.draw(adversarial_draws(3, kinds=("near-singular V", "large omega", "softmax edge"))),
-             n=6, ref_tol=1e-5)
+             n=6, ref_tol=1e-5, n_max=8)
 
 
 # -- noisy route: L = 1, T = 2 (2-D) ----------------------------------------------------------------
