@@ -4,7 +4,7 @@ The softmax of a layer switches across the lines a = 0, b = 0 and a = b of its i
 a scale ≈ 1/(β r²) at radius r: all meet at the origin, so in polar coordinates about it the
 cliffs only make the angular integrand vary fast, and a periodic trapezoid rule in θ times
 Gauss–Legendre in r converges geometrically.  Each integrated layer gets such a rule and the
-integral takes their product (``_polar_nodes``).  The nodes depend on a sample only through V
+integral takes their product (``_polar_plan``).  The nodes depend on a sample only through V
 and the |ω_ℓ|, so samples with the same V and close |ω_ℓ| share them, and every node's
 sample-independent data (Φ⁻¹, log|det Φ|, …) is computed once for the whole group; each sample
 runs only over the nodes within reach of its own prior (radii, and with two layers the arcs
@@ -40,6 +40,22 @@ class Rings(NamedTuple):
     node: np.ndarray | None = None
 
 
+class Plan(NamedTuple):
+    """A polar rule for a chunk of groups (``PolarRule._polar_plan``): the layers' rings, the
+    block shape (groups, rings per layer...), each block's node count and offsets (``bound``),
+    and the samples' segments — sample, blocks seg_b0:seg_b1 (consecutive rings of the last
+    layer from seg_ring), and the window of each sample's rings (None: whole rings)."""
+    layers: list
+    shape: tuple
+    size: np.ndarray
+    bound: np.ndarray
+    sample: np.ndarray
+    seg_b0: np.ndarray
+    seg_b1: np.ndarray
+    seg_ring: np.ndarray
+    window: np.ndarray | None
+
+
 class PolarRule:
     """Shared-node polar rules (mixin).  The channel provides ``model``, ``tol``,
     ``error_estimate``, ``threads``, ``_spread`` and: ``_polar_applies`` (whether the model has
@@ -55,6 +71,7 @@ class PolarRule:
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
     POLAR_NODE_CHUNK = 1 << 15          # nodes set up at a time (the temporaries stay in cache)
+    POLAR_PIECE = 1 << 21               # nodes held at a time (≈ 170–240 MB)
     POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
 
     def _polar_weight(self, omega, V):
@@ -138,23 +155,21 @@ class PolarRule:
         log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
         return Rings(x, log_w, r, count, dist ** 2 / v[:, None], mu, var, origin)
 
-    def _polar_nodes(self, omega, V, scale):
+    def _polar_plan(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product of the ring layers'
-        rules (``_polar_layers``), one node per column [x, log weight, ``_polar_data(x)``], by
-        blocks (one per tuple of rings, the last layer's ring fastest; with two layers the first
-        layer's nodes count as rings of one node each, ``_by_node``), and each sample's segments
-        of it.  Like each layer's radial range, the product leaves out the nodes where the prior
-        is below e^{-reach²/2}: a group keeps the blocks with Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ ≤ reach² (d_ℓ the
-        distance to the group's range of |ω_ℓ|: a ball, not a box), and each sample runs over
-        those within its own ball (d_ℓ the distance to its |ω_ℓ|, or to [0, |ω_ℓ|] for rings from
-        the origin), which for each tuple of the earlier layers' rings is a contiguous range of
-        the last layer's.  With two layers a sample also leaves out the nodes away from ±ω_ℓ
-        (``_arc``, ``_window``: the prior's concentration on a ring): the first layer's nodes
-        with |x_1 ∓ ω_1|²/V_11 > reach², and, for a last layer not from the origin, the angles
-        of each ring with d_2² + its arc > reach² (each ring's nodes cut to one or two ranges by
-        integrate_polar).  Returns (nodes, seg_ptr, seg_start, seg_stop, seg_ring, window):
-        sample i runs over the node ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1],
-        each from the last layer's ring seg_ring[j], cut to ``window`` (None: not cut)."""
+        rules (``_polar_layers``) by blocks (one per tuple of rings, the last layer's ring
+        fastest; with two layers the first layer's nodes count as rings of one node each,
+        ``_by_node``), and each sample's segments of it.  Like each layer's radial range, the
+        product leaves out the nodes where the prior is below e^{-reach²/2}: a group keeps the
+        blocks with Σ_ℓ d_ℓ(r_ℓ)²/V_ℓℓ ≤ reach² (d_ℓ the distance to the group's range of |ω_ℓ|:
+        a ball, not a box), and each sample runs over those within its own ball (d_ℓ the
+        distance to its |ω_ℓ|, or to [0, |ω_ℓ|] for rings from the origin), which for each
+        tuple of the earlier layers' rings is a contiguous range of the last layer's.  With two
+        layers a sample also leaves out the nodes away from ±ω_ℓ (``_arc``, ``_window``: the
+        prior's concentration on a ring): the first layer's nodes with |x_1 ∓ ω_1|²/V_11 >
+        reach², and, for a last layer not from the origin, the angles of each ring with d_2² +
+        its arc > reach² (each ring's nodes cut to one or two ranges by integrate_polar).
+        Returns a ``Plan``."""
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
         layers = self._polar_layers(group, mu, V, scale)
@@ -168,15 +183,6 @@ class PolarRule:
             size = size * rl.count[axis]
             far = far + rl.far[axis]
         size = np.where(far <= reach2, size, 0).reshape(-1)              # (G · Π shape) blocks
-        bound = np.concatenate([[0], np.cumsum(size)])
-        blocks = np.flatnonzero(size)
-        chunk = bound[blocks] // self.POLAR_NODE_CHUNK          # cache-sized pieces of the product
-        nodes = None
-        for part in np.split(blocks, np.flatnonzero(np.diff(chunk)) + 1):
-            rows = self._product(layers, part, size[part], (G,) + shape)
-            if nodes is None:
-                nodes = np.empty((len(rows), bound[-1]))
-            nodes[:, bound[part[0]]:bound[part[-1] + 1]] = rows
         rest, near = np.full((len(group), 1), reach2), True
         if len(layers) == 2:                    # (n, nodes of the first layer)
             rest = reach2 - self._sample_far(layers[0], group)
@@ -184,11 +190,31 @@ class PolarRule:
         first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)))
         has = near & (rest >= 0) & (last > first)
         row = (group[:, None] * rest.shape[1] + np.arange(rest.shape[1])) * shape[-1]
-        seg_ptr = np.concatenate([[0], np.cumsum(has.sum(axis=1))])
         window = None
         if len(layers) == 2 and not layers[-1].origin:
             window = _window(layers[-1], group, omega[:, 1], reach2 - self._sample_far(layers[-1], group))
-        return nodes, seg_ptr, bound[(row + first)[has]], bound[(row + last)[has]], first[has], window
+        return Plan(layers, (G,) + shape, size, np.concatenate([[0], np.cumsum(size)]),
+                    np.repeat(np.arange(len(group)), has.sum(axis=1)), (row + first)[has], (row + last)[has],
+                    first[has], window)
+
+    def _polar_pieces(self, plan):
+        """The plan's nodes, POLAR_PIECE at a time (bounded memory; at least one block), one node
+        per column [x, log weight, ``_polar_data(x)``], each built in cache-sized parts of
+        POLAR_NODE_CHUNK.  Yields (first block, last block + 1, nodes)."""
+        bound = plan.bound
+        blocks = np.flatnonzero(plan.size)
+        if not blocks.size:
+            return
+        piece = bound[blocks] // self.POLAR_PIECE
+        for part in np.split(blocks, np.flatnonzero(np.diff(piece)) + 1):
+            nodes = np.empty((0, 0))
+            chunk = bound[part] // self.POLAR_NODE_CHUNK
+            for sub in np.split(part, np.flatnonzero(np.diff(chunk)) + 1):
+                rows = self._product(plan.layers, sub, plan.size[sub], plan.shape)
+                if not nodes.size:
+                    nodes = np.empty((len(rows), bound[part[-1] + 1] - bound[part[0]]))
+                nodes[:, bound[sub[0]] - bound[part[0]]:bound[sub[-1] + 1] - bound[part[0]]] = rows
+            yield part[0], part[-1] + 1, nodes
 
     def _product(self, layers, blocks, size, shape):
         """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
@@ -212,20 +238,32 @@ class PolarRule:
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
-        when few samples share a V)."""
+        when few samples share a V) and each group's nodes by pieces (``_polar_pieces``): every
+        sample's segments clipped to the piece's blocks, the pieces' moments merged by mass."""
         n, RT = len(omega), self.R * self.T
-        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        log_z, mean, second = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
         group = self._polar_groups(omega, V)[0]
         chunk = self.POLAR_CHUNK[2 * self._ring_layers]
         for first in range(0, group.max() + 1, chunk):
             idx = np.flatnonzero((group >= first) & (group < first + chunk))
-            nodes, *segments, ring, window = self._polar_nodes(omega[idx], V[idx], scale)
-            out = np.empty(len(idx)), np.empty((len(idx), RT)), np.empty((len(idx), RT, RT))
-            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, RT), Vinv[idx], logdetV[idx],
-                                        *segments, nodes, *out, self.threads, self.POLAR_DELTA,
-                                        ring if window is not None else None, window)
-            for a, b in zip((log_z, mean, second), out):
-                a[idx] = b
+            plan = self._polar_plan(omega[idx], V[idx], scale)
+            for b0, b1, nodes in self._polar_pieces(plan):
+                start, stop = np.maximum(plan.seg_b0, b0), np.minimum(plan.seg_b1, b1)
+                keep = start < stop
+                who = plan.sample[keep]
+                ids = np.unique(who)
+                if not ids.size:
+                    continue
+                seg_ptr = np.concatenate([[0], np.cumsum(np.bincount(who)[ids])])
+                ring = plan.seg_ring[keep] + start[keep] - plan.seg_b0[keep]
+                out = np.empty(len(ids)), np.empty((len(ids), RT)), np.empty((len(ids), RT, RT))
+                s = idx[ids]
+                _quadrature.integrate_polar(u[s], omega[s].reshape(-1, RT), Vinv[s], logdetV[s], seg_ptr,
+                                            plan.bound[start[keep]] - plan.bound[b0],
+                                            plan.bound[stop[keep]] - plan.bound[b0], nodes, *out, self.threads,
+                                            self.POLAR_DELTA, ring if plan.window is not None else None,
+                                            None if plan.window is None else np.ascontiguousarray(plan.window[ids]))
+                _merge((log_z, mean, second), s, out)
         return log_z, mean, second
 
     def _polar(self, y, omega, V, Vinv, logdetV):
@@ -256,6 +294,19 @@ class PolarRule:
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
         return log_z, mean, cov, error
+
+
+def _merge(total, idx, part):
+    """Adds a piece's (log Z, E[Z − ω], E[(Z − ω)(Z − ω)ᵀ]) of samples idx to the running
+    ``total`` (the moments of the union of the pieces' nodes, weighted by their masses)."""
+    log_z = np.logaddexp(total[0][idx], part[0])
+    with np.errstate(invalid="ignore"):
+        old, new = np.exp(total[0][idx] - log_z), np.exp(part[0] - log_z)
+    old, new = np.nan_to_num(old), np.nan_to_num(new)
+    total[0][idx] = log_z
+    for t, p in zip(total[1:], part[1:]):
+        shape = (-1,) + (1,) * (p.ndim - 1)
+        t[idx] = old.reshape(shape) * t[idx] + np.where(new.reshape(shape) > 0, new.reshape(shape) * p, 0.0)
 
 
 def _by_node(rings):

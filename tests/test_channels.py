@@ -556,7 +556,8 @@ def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers,
     samples with close |ω_ℓ| (three layers: the whole batch); each sample computed alone (its
     own rule) agrees to the rule's accuracy (three layers: max error ≤ 6.9e-5 on 64 draws per
     q, see the README; the batch's rule spans every |ω_ℓ|, so its radial and angle counts differ
-    from a lone sample's), and processing the groups in chunks changes nothing."""
+    from a lone sample's), processing the groups in chunks changes nothing, and holding the nodes
+    by pieces of 1000 (their moments merged by mass) changes them by rounding only."""
     from smi_core.channels import ReparamChannel
     y, omega, V = se_batch(layers, n, 0.5 * np.eye(layers), np.random.default_rng(3))
     ch = model(layers).channel(error_estimate=False)
@@ -572,6 +573,10 @@ def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers,
     chunked = ch.moments(y, omega, V)
     np.testing.assert_array_equal(chunked.g_out, batch.g_out)
     np.testing.assert_array_equal(chunked.dg_out, batch.dg_out)
+    monkeypatch.setattr(ReparamChannel, "POLAR_PIECE", 1000)     # nodes by pieces, merged by mass
+    pieces = ch.moments(y, omega, V)
+    for a, b in ((pieces.g_out, batch.g_out), (pieces.dg_out, batch.dg_out), (pieces.log_z, batch.log_z)):
+        np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * np.abs(b).max())
 
 
 def test_polar_arcs_leave_out_only_the_prior_beyond_reach(monkeypatch):
