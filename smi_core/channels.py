@@ -664,7 +664,7 @@ class NoisyChannel(PolarRule, Channel):
     route, _route_id = "noisy", 1
     NOISY_SHARP = 0.8
     POLAR_SCALE = {1: 1.0, 2: 0.5}      # ring counts at the default ``nodes``
-    POLAR_MIN_NOISE = {1: 1e-4, 2: 1e-2}    # below: too many nodes (∝ Δ^-3/4 per layer)
+    POLAR_MIN_NOISE = {1: 1e-4, 2: 1e-3}    # below: too many nodes (∝ Δ^-3/4 per layer)
 
     def __init__(self, model, noise: float, **options):
         super().__init__(model, **options)

@@ -688,7 +688,7 @@ def test_noisy_route_approaches_reparam_route_one_layer():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): for Δ < 1e-2 the L = 2 noisy route falls back to the Laplace rule, whose posterior is a thin sheet with softmax cliffs, and the adaptive cubature stops at max_regions before tol")
+@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): for Δ < 1e-3 (here 1e-4) the L = 2 noisy route falls back to the Laplace rule, whose posterior is a thin sheet with softmax cliffs, and the adaptive cubature stops at max_regions before tol")
 def test_noisy_route_approaches_reparam_route():
     """DeepAttention(2, 2): on noiseless SE outputs (q = 0.5), channel(noise=Δ) → channel() as
     Δ → 0: for Δ = 1e-2, 1e-3, 1e-4 the metric distance to the reparametrised route shrinks
