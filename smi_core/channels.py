@@ -372,8 +372,8 @@ class ReparamChannel(PolarRule, Channel):
     # are accurate there and the mixture would take in the Laplace rule's unescalated error
     # (q̂₁₁ off the tol = 1e-7 channel by 3.5e-5 at q = diag(0.95, 0.998), 1024 draws, against
     # 4.6e-8 with the switch)
-    POLAR_L3 = dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, capk=0.5, reach=5.5, bin=np.inf,
-                    blend=0.25)
+    POLAR_BY_LAYERS = {3: dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, capk=0.5, reach=5.5,
+                               bin=np.inf, blend=0.25)}
 
     @property
     def _ring_layers(self):
@@ -385,9 +385,6 @@ class ReparamChannel(PolarRule, Channel):
         without the estimate the polar result stands, off by up to 1e3 (relative) in the pinned
         regime."""
         return self.model.layers == 2 and self._polar_applies
-
-    def _polar_params(self):
-        return self.POLAR | self.POLAR_L3 if self.model.layers == 3 else self.POLAR
 
     @property
     def _polar_applies(self):
@@ -438,10 +435,11 @@ class ReparamChannel(PolarRule, Channel):
         the error is the larger of its estimate·κ / PINNED["cross"] and the difference between
         the two rules (κ: on a near-singular draw with y uninformative along V's thin direction,
         κ ≈ 3e3, the rule at tol·PINNED["cross"] alone was 4.5e-6 off, now 1.1e-8).  The
-        Laplace rule's estimate (the difference of two Gauss–Hermite rules) misses a posterior that is a thin curved ridge (near-singular V at an angle to the
-        layers): on such draws it was off by 1.3e-6 to 9e-6 while estimating 1e-9 to 1e-7; the
-        adaptive rule at 1e-9 was within 7e-8 of an independent brute-force rule on 9 of 10
-        such draws and 1.2e-6 off on the tenth (estimating 1e-9), hence the difference."""
+        Laplace rule's estimate (the difference of two Gauss–Hermite rules) misses a posterior
+        that is a thin curved ridge (near-singular V at an angle to the layers): on such draws
+        it was off by 1.3e-6 to 9e-6 while estimating 1e-9 to 1e-7; the adaptive rule at 1e-9
+        was within 7e-8 of an independent brute-force rule on 9 of 10 such draws and 1.2e-6 off
+        on the tenth (estimating 1e-9), hence the difference."""
         out = super()._laplace(y, omega, V, Vinv, logdetV)
         if self.model.layers != 2 or self.tol is None or self.T != 2:
             return out
@@ -696,10 +694,7 @@ class NoisyChannel(PolarRule, Channel):
     # estimate, against the previous rule at 1.5× the counts (16 draws): 3.2 / 6.8 / 20.7 ms per
     # sample at q = 0 / 0.3 / 0.9, max error 2.7e-4 / 1.6e-4 / 1.0e-6, where groups of |ω_ℓ|
     # cells 0.25√V wide took 3.3 / 27.4 / 45.7 ms at 2.7e-4 / 2.4e-4 / 1.2e-3
-    POLAR_L2 = dict(bin=np.inf, density=4.0)
-
-    def _polar_params(self):
-        return self.POLAR | self.POLAR_L2 if self.model.layers == 2 else self.POLAR
+    POLAR_BY_LAYERS = {2: dict(bin=np.inf, density=4.0)}
 
     def _polar_layers(self, group, mu, V, scale):
         """Rings of h_ℓ (ℓ < L) as the reparametrised route's, and of u_L = Φ h_L from the origin

@@ -67,6 +67,7 @@ class PolarRule:
 
     POLAR = dict(radial=32, density=0.0, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0,
                  bin=0.25, pr=0.5, blend=0.0, capk=0.0)
+    POLAR_BY_LAYERS = {}                # per depth L: changes to POLAR (``_polar_params``)
     POLAR_MIN_SD = 0.2
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
@@ -90,8 +91,8 @@ class PolarRule:
         return np.clip(above / blend, 0.0, 1.0) if blend > 0 else (above >= 0).astype(float)
 
     def _polar_params(self):
-        """The ring parameters (POLAR, with any per-model changes)."""
-        return self.POLAR
+        """The ring parameters: POLAR with the channel's changes for the model's depth."""
+        return self.POLAR | self.POLAR_BY_LAYERS.get(self.model.layers, {})
 
     def _polar_target(self):
         """Error tolerance of the escalation (None: no escalation)."""

@@ -540,7 +540,7 @@ def test_moments_continuous_across_the_polar_switch(blend, continuous):
     keep = ch.representable(y)
     y, omega = y[keep], omega[keep]
     if blend is not None:
-        ch.POLAR_L3 = dict(ch.POLAR_L3, blend=blend)
+        ch.POLAR_BY_LAYERS = {3: dict(ch.POLAR_BY_LAYERS[3], blend=blend)}
     out = []
     for s in (1 - 1e-6, 1 + 1e-6):
         Vs = V.copy()
