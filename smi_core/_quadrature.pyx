@@ -47,20 +47,24 @@ cdef extern from *:
        (truncation < 2e-16; Estrin's scheme, short dependency chains).  Relative error
        <= 4.4e-16 against libm on [-700, 0]; the weights of the moment sums are all e^(lw - max)
        with lw - max in [-45, 0], so this replaces a libm call per term.  The clamp is a select
-       only under -fno-trapping-math (setup.py), which the vectoriser needs. */
-    static inline double smi_exp_neg(double x) {
+       only under -fno-trapping-math (setup.py), which the vectoriser needs.  smi_exp_neg9: the
+       polynomial of degree 9 (truncation (ln2/2)^10/10! < 8e-12 relative), for the three-layer
+       moments (relative 1e-4 targets). */
+    static inline double smi_exp_poly(double x, int full) {
         x = x > -700.0 ? x : -700.0;                       /* e^-700 ~ 1e-304 */
         const double shift = 6755399441055744.0;           /* 1.5 * 2^52: round to nearest */
         double kd = x * 1.4426950408889634 + shift;
         double k = kd - shift;
         double r = (x - k * 0.6931471803691238) - k * 1.9082149292705877e-10;
         double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+        double tail = 2.4801587301587302e-05 + r * 2.7557319223985893e-06;    /* r^8, r^9 */
+        if (full)
+            tail += r2 * (2.7557319223985888e-07 + r * 2.5052108385441720e-08)
+                  + r4 * (2.0876756987868100e-09 + r * 1.6059043836821613e-10);
         double p = ((1.0 + r) + r2 * (0.5 + r * 1.6666666666666666e-01))
                  + r4 * ((4.1666666666666664e-02 + r * 8.3333333333333332e-03)
                          + r2 * (1.3888888888888889e-03 + r * 1.9841269841269841e-04))
-                 + r8 * (((2.4801587301587302e-05 + r * 2.7557319223985893e-06)
-                          + r2 * (2.7557319223985888e-07 + r * 2.5052108385441720e-08))
-                         + r4 * (2.0876756987868100e-09 + r * 1.6059043836821613e-10));
+                 + r8 * tail;
         uint64_t bits;                                      /* low 12 bits: k mod 2^12 */
         memcpy(&bits, &kd, sizeof bits);
         bits = (bits + 1023) << 52;                         /* the exponent field k + 1023 */
@@ -68,32 +72,69 @@ cdef extern from *:
         memcpy(&two_k, &bits, sizeof two_k);
         return p * two_k;
     }
+    static inline double smi_exp_neg(double x) { return smi_exp_poly(x, 1); }
+    static inline double smi_exp_neg9(double x) { return smi_exp_poly(x, 0); }
 
     /* The polar node loops (integrate_polar, L = 2 and 3, T = 2) for one sample over K of its
        shared nodes, stored by columns (column j of node k at nodes[j * stride + k]: every
        loop below reads contiguous memory and vectorises), in two passes: (1) h_L = Phi^-1 u_L
-       and the log weights of the 2^L terms (each earlier layer and u_L reflected or not),
-       kept in the columns of buf (SMI_TILE rows), and their maximum mx; (2) the weights
-       e^(lw - mx) and the moment sums about omega, out = [s0, s1, the upper triangle of s2
-       row by row] relative to e^mx; returns mx.  Pass (2) is skipped, out left as it is, when
-       mx < floor (the caller's running maximum - SMI_SKIP: the tile's weights are all below
-       e^-SMI_SKIP of a node already summed).  Nodes with a non-finite h or log constant
-       (det Phi = 0) weigh 0. */
+       and the log weights of the 2^L terms Z = [s_1 x_1; ...; s_L x_L] (x_l = h_l, each layer
+       reflected or not, s_l = +-1; term p has s_l = -1 when bit l - 1 of p is set), kept in
+       the columns of buf (SMI_TILE rows), and their maximum mx; (2) the weights e^(lw - mx)
+       and the moment sums, out = [s0, s1, the upper triangle of s2 row by row] about omega and
+       relative to e^mx; returns mx.  Pass (2) is skipped, out left as it is, when mx < floor
+       (the caller's running maximum - SMI_SKIP: the tile's weights are all below e^-SMI_SKIP
+       of a node already summed).  Nodes with a non-finite h or log constant (det Phi = 0)
+       weigh 0.
+
+       The reflections only flip signs.  With P = V^-1 (per layer, tokens alike) and v = P omega,
+           (Z - omega)' P (Z - omega) = sum_l P_ll |x_l|^2 + omega' P omega - 2 sum_l s_l v_l.x_l
+                                        + 2 sum_{l<l'} s_l s_l' P_ll' x_l.x_l',
+       and about 0 the moment sums need only the signed sums D_A = sum_p (prod_{l in A} s_l) w_p
+       (a Walsh-Hadamard transform of the 2^L weights): s0 = D_{}, s1_l = D_l x_l,
+       s2_ll = D_{} x_l x_l', s2_ll' = D_ll' x_l x_l''.  At the end of the tile they move to
+       omega (``smi_about``; the polar rules run where the posterior is broad, so little
+       cancels). */
     #define SMI_TILE 256
     #define SMI_SKIP 45.0       /* 256 e^-45 = 7e-18: thousands of skipped tiles stay below 1e-14 */
     #define SMI_FINITE(x) (fabs(x) <= 1.7976931348623157e308)
     #define SMI_MAX(a, b) ((a) > (b) ? (a) : (b))
 
+    /* v = P omega and omega' P omega for L layers of 2 tokens (P: L x L, row-major). */
+    static double smi_form(const double* P, const double* om, int L, double* v) {
+        double quad = 0.0;
+        for (int l = 0; l < L; l++)
+            for (int t = 0; t < 2; t++) {
+                v[2 * l + t] = 0.0;
+                for (int j = 0; j < L; j++)
+                    v[2 * l + t] += P[L * l + j] * om[2 * j + t];
+                quad += om[2 * l + t] * v[2 * l + t];
+            }
+        return quad;
+    }
+
+    /* out = [s0, s1 (d), the upper triangle of s2 (row by row)] about omega from sums about 0. */
+    static void smi_about(double s0, const double* m, const double* q, const double* om, int d,
+                          double* out) {
+        out[0] = s0;
+        for (int i = 0, r = 0; i < d; i++)
+            for (int j = i; j < d; j++, r++)
+                out[1 + d + r] = q[r] - m[i] * om[j] - om[i] * m[j] + s0 * om[i] * om[j];
+        for (int i = 0; i < d; i++)
+            out[1 + i] = m[i] - s0 * om[i];
+    }
+
     /* L = 2: node columns [x (2), log weight, Phi^-1 (row-major), log|det Phi|] at m = 2, and
        with output noise delta > 0 [h_1 (2), u_2 (2), log weight, Phi^-1, log|det Phi|, g (4)]
        at m = 4 (u is then the sample's y: lc -= |y - g|^2 / 2 delta, h_2 = Phi^-1 u_2 of the
-       node).  Terms Z = [(-1)^a h_1; (-1)^b h_2]; buf columns h_2 (2), lc, lw[a][b] (4). */
+       node); buf columns h_2 (2), lc, the log weights (4). */
     static double smi_polar2(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0, double delta,
                              const double* restrict nodes, long stride, long K, int m,
                              double floor, double* restrict buf, double* restrict out) {
         const double p11 = P[0], p12 = P[1], p22 = P[3];
-        const double o0 = om[0], o1 = om[1], o2 = om[2], o3 = om[3];
+        double v[4];
+        const double base0 = const0 - 0.5 * smi_form(P, om, 2, v);
         const double* restrict X0 = nodes;
         const double* restrict X1 = nodes + stride;
         const double* restrict LW = nodes + m * stride;
@@ -114,7 +155,7 @@ cdef extern from *:
             #pragma omp simd
             for (long k = 0; k < K; k++) {
                 double e0 = y0 - G[k], e1 = y1 - G[stride + k], e2 = y2 - G[2 * stride + k], e3 = y3 - G[3 * stride + k];
-                LC[k] = const0 + LW[k] - LD[k] - c * (e0 * e0 + e1 * e1 + e2 * e2 + e3 * e3);
+                LC[k] = base0 + LW[k] - LD[k] - c * (e0 * e0 + e1 * e1 + e2 * e2 + e3 * e3);
                 H0[k] = F00[k] * U0[k] + F01[k] * U1[k];
                 H1[k] = F10[k] * U0[k] + F11[k] * U1[k];
             }
@@ -122,7 +163,7 @@ cdef extern from *:
             const double u0 = u[0], u1 = u[1];
             #pragma omp simd
             for (long k = 0; k < K; k++) {
-                LC[k] = const0 + LW[k] - LD[k];
+                LC[k] = base0 + LW[k] - LD[k];
                 H0[k] = F00[k] * u0 + F01[k] * u1;
                 H1[k] = F10[k] * u0 + F11[k] * u1;
             }
@@ -131,20 +172,15 @@ cdef extern from *:
         #pragma omp simd reduction(max: mx)
         for (long k = 0; k < K; k++) {
             int ok = SMI_FINITE(H0[k]) && SMI_FINITE(H1[k]) && SMI_FINITE(LC[k]);
-            double h0 = ok ? H0[k] : 0.0, h1 = ok ? H1[k] : 0.0, lc = ok ? LC[k] : 0.0;
+            double h0 = ok ? H0[k] : 0.0, h1 = ok ? H1[k] : 0.0, lc = ok ? LC[k] : -INFINITY;
             H0[k] = h0; H1[k] = h1;
             double x0 = X0[k], x1 = X1[k];
-            double ap0 = x0 - o0, ap1 = x1 - o1, am0 = -x0 - o0, am1 = -x1 - o1;
-            double bp0 = h0 - o2, bp1 = h1 - o3, bm0 = -h0 - o2, bm1 = -h1 - o3;
-            double ax0 = p11 * (ap0 * ap0 + ap1 * ap1), ax1 = p11 * (am0 * am0 + am1 * am1);
-            double bh0 = p22 * (bp0 * bp0 + bp1 * bp1), bh1 = p22 * (bm0 * bm0 + bm1 * bm1);
-            double w00 = lc - 0.5 * (ax0 + bh0) - p12 * (ap0 * bp0 + ap1 * bp1);
-            double w01 = lc - 0.5 * (ax0 + bh1) - p12 * (ap0 * bm0 + ap1 * bm1);
-            double w10 = lc - 0.5 * (ax1 + bh0) - p12 * (am0 * bp0 + am1 * bp1);
-            double w11 = lc - 0.5 * (ax1 + bh1) - p12 * (am0 * bm0 + am1 * bm1);
-            w00 = ok ? w00 : -INFINITY; w01 = ok ? w01 : -INFINITY;
-            w10 = ok ? w10 : -INFINITY; w11 = ok ? w11 : -INFINITY;
-            W[k] = w00; W[SMI_TILE + k] = w01; W[2 * SMI_TILE + k] = w10; W[3 * SMI_TILE + k] = w11;
+            /* log weight = c + s_1 a_1 + s_2 a_2 - s_1 s_2 b */
+            double c = lc - 0.5 * (p11 * (x0 * x0 + x1 * x1) + p22 * (h0 * h0 + h1 * h1));
+            double a1 = v[0] * x0 + v[1] * x1, a2 = v[2] * h0 + v[3] * h1, b = p12 * (x0 * h0 + x1 * h1);
+            double w00 = c + a1 + a2 - b, w01 = c + a1 - a2 + b;
+            double w10 = c - a1 + a2 + b, w11 = c - a1 - a2 - b;
+            W[k] = w00; W[SMI_TILE + k] = w10; W[2 * SMI_TILE + k] = w01; W[3 * SMI_TILE + k] = w11;
             double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
             mx = t > mx ? t : mx;
         }
@@ -154,84 +190,65 @@ cdef extern from *:
         double q00 = 0, q01 = 0, q11 = 0, q22 = 0, q23 = 0, q33 = 0, q02 = 0, q03 = 0, q12 = 0, q13 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, q00, q01, q11, q22, q23, q33, q02, q03, q12, q13)
         for (long k = 0; k < K; k++) {
-            double x0 = X0[k], x1 = X1[k], h0 = H0[k], h1 = H1[k];
-            double w00 = smi_exp_neg(W[k] - mx), w01 = smi_exp_neg(W[SMI_TILE + k] - mx);
-            double w10 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w11 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
-            double wxp = w00 + w01, wxm = w10 + w11, whp = w00 + w10, whm = w01 + w11;
-            double ap0 = x0 - o0, ap1 = x1 - o1, am0 = -x0 - o0, am1 = -x1 - o1;
-            double bp0 = h0 - o2, bp1 = h1 - o3, bm0 = -h0 - o2, bm1 = -h1 - o3;
-            double cp0 = w00 * bp0 + w01 * bm0, cp1 = w00 * bp1 + w01 * bm1;     /* x signed + */
-            double cm0 = w10 * bp0 + w11 * bm0, cm1 = w10 * bp1 + w11 * bm1;     /* x signed - */
-            s0 += wxp + wxm;
-            m0 += wxp * ap0 + wxm * am0;  m1 += wxp * ap1 + wxm * am1;
-            m2 += whp * bp0 + whm * bm0;  m3 += whp * bp1 + whm * bm1;
-            q00 += wxp * ap0 * ap0 + wxm * am0 * am0;
-            q01 += wxp * ap0 * ap1 + wxm * am0 * am1;
-            q11 += wxp * ap1 * ap1 + wxm * am1 * am1;
-            q22 += whp * bp0 * bp0 + whm * bm0 * bm0;
-            q23 += whp * bp0 * bp1 + whm * bm0 * bm1;
-            q33 += whp * bp1 * bp1 + whm * bm1 * bm1;
-            q02 += ap0 * cp0 + am0 * cm0;  q03 += ap0 * cp1 + am0 * cm1;
-            q12 += ap1 * cp0 + am1 * cm0;  q13 += ap1 * cp1 + am1 * cm1;
+            double x0 = X0[k], x1 = X1[k], x2 = H0[k], x3 = H1[k];
+            double w0 = smi_exp_neg(W[k] - mx), w1 = smi_exp_neg(W[SMI_TILE + k] - mx);
+            double w2 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w3 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
+            double a0 = w0 + w1, a1 = w0 - w1, a2 = w2 + w3, a3 = w2 - w3;     /* Walsh-Hadamard */
+            double D = a0 + a2, D1 = a1 + a3, D2 = a0 - a2, D12 = a1 - a3;
+            double Sx0 = D * x0, Sx1 = D * x1, Sx2 = D * x2, Sx3 = D * x3, A0 = D12 * x0, A1 = D12 * x1;
+            s0 += D;
+            m0 += D1 * x0; m1 += D1 * x1; m2 += D2 * x2; m3 += D2 * x3;
+            q00 += Sx0 * x0; q01 += Sx0 * x1; q11 += Sx1 * x1;
+            q22 += Sx2 * x2; q23 += Sx2 * x3; q33 += Sx3 * x3;
+            q02 += A0 * x2; q03 += A0 * x3; q12 += A1 * x2; q13 += A1 * x3;
         }
-        double sums[15] = {s0, m0, m1, m2, m3, q00, q01, q02, q03, q11, q12, q13, q22, q23, q33};
-        memcpy(out, sums, sizeof sums);
+        double sm[4] = {m0, m1, m2, m3}, sq[10] = {q00, q01, q02, q03, q11, q12, q13, q22, q23, q33};
+        smi_about(s0, sm, sq, om, 4, out);
         return mx;
     }
 
     /* L = 3, route 0: node columns [x = (h_1, h_2) (4), log weight, Phi^-1 (row-major),
-       log|det Phi|]; the eight terms Z = [s_1 h_1; s_2 h_2; s_3 h_3]; buf columns h_3 (2) and
-       the log weights (8, term p: layer signs p & 1, p >> 1 & 1, p >> 2).  The moment sums
-       need only the weight of each layer's sign and of each pair of layers' signs.
-       out = [s0, s1 (6), the upper triangle of s2 (21)]. */
+       log|det Phi|]; buf columns h_3 (2) and the log weights (8). */
     static double smi_polar3(const double* restrict u, const double* restrict om,
                              const double* restrict P, double const0,
                              const double* restrict nodes, long stride, long K, double floor,
                              double* restrict buf, double* restrict out) {
         const double u0 = u[0], u1 = u[1];
+        const double* restrict X0 = nodes;
+        const double* restrict X1 = nodes + stride;
+        const double* restrict X2 = nodes + 2 * stride;
+        const double* restrict X3 = nodes + 3 * stride;
         const double* restrict LW = nodes + 4 * stride;
         const double* restrict F00 = nodes + 5 * stride;
         const double* restrict F01 = nodes + 6 * stride;
         const double* restrict F10 = nodes + 7 * stride;
         const double* restrict F11 = nodes + 8 * stride;
         const double* restrict LD = nodes + 9 * stride;
-        double* restrict Z4 = buf;
-        double* restrict Z5 = buf + SMI_TILE;
+        double* restrict H0 = buf;
+        double* restrict H1 = buf + SMI_TILE;
         double* restrict W = buf + 2 * SMI_TILE;
-        const double om0 = om[0], om1 = om[1], om2 = om[2], om3 = om[3], om4 = om[4], om5 = om[5];
-        const double p00 = P[0], p11 = P[4], p22 = P[8];
-        const double c01 = 2.0 * P[1], c02 = 2.0 * P[2], c12 = 2.0 * P[5];
+        const double p00 = P[0], p11 = P[4], p22 = P[8], p01 = P[1], p02 = P[2], p12 = P[5];
+        double v[6];
+        const double base0 = const0 - 0.5 * smi_form(P, om, 3, v);
         double mx = -INFINITY;
         #pragma omp simd reduction(max: mx)
         for (long k = 0; k < K; k++) {
-            double lc = const0 + LW[k] - LD[k];
+            double lc = base0 + LW[k] - LD[k];
             double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
             int ok = SMI_FINITE(h0) & SMI_FINITE(h1) & SMI_FINITE(lc);   /* else the node weighs 0 */
             h0 = ok ? h0 : 0.0; h1 = ok ? h1 : 0.0; lc = ok ? lc : -INFINITY;
-            Z4[k] = h0; Z5[k] = h1;
-            /* d{layer}{sign}{token} = ±Z - ω */
-            double x0 = nodes[k], x1 = nodes[stride + k], x2 = nodes[2 * stride + k], x3 = nodes[3 * stride + k];
-            double d000 = x0 - om0, d010 = -x0 - om0, d001 = x1 - om1, d011 = -x1 - om1;
-            double d100 = x2 - om2, d110 = -x2 - om2, d101 = x3 - om3, d111 = -x3 - om3;
-            double d200 = h0 - om4, d210 = -h0 - om4, d201 = h1 - om5, d211 = -h1 - om5;
-            /* the quadratic form of term (s1, s2, s3): per layer and per pair of layers */
-            double a0 = p00 * (d000 * d000 + d001 * d001), a1 = p00 * (d010 * d010 + d011 * d011);
-            double b0 = p11 * (d100 * d100 + d101 * d101), b1 = p11 * (d110 * d110 + d111 * d111);
-            double e0 = p22 * (d200 * d200 + d201 * d201), e1 = p22 * (d210 * d210 + d211 * d211);
-            double ab00 = c01 * (d000 * d100 + d001 * d101), ab01 = c01 * (d000 * d110 + d001 * d111);
-            double ab10 = c01 * (d010 * d100 + d011 * d101), ab11 = c01 * (d010 * d110 + d011 * d111);
-            double ae00 = c02 * (d000 * d200 + d001 * d201), ae01 = c02 * (d000 * d210 + d001 * d211);
-            double ae10 = c02 * (d010 * d200 + d011 * d201), ae11 = c02 * (d010 * d210 + d011 * d211);
-            double be00 = c12 * (d100 * d200 + d101 * d201), be01 = c12 * (d100 * d210 + d101 * d211);
-            double be10 = c12 * (d110 * d200 + d111 * d201), be11 = c12 * (d110 * d210 + d111 * d211);
-            double w0 = lc - 0.5 * (a0 + b0 + e0 + ab00 + ae00 + be00);
-            double w1 = lc - 0.5 * (a1 + b0 + e0 + ab10 + ae10 + be00);
-            double w2 = lc - 0.5 * (a0 + b1 + e0 + ab01 + ae00 + be10);
-            double w3 = lc - 0.5 * (a1 + b1 + e0 + ab11 + ae10 + be10);
-            double w4 = lc - 0.5 * (a0 + b0 + e1 + ab00 + ae01 + be01);
-            double w5 = lc - 0.5 * (a1 + b0 + e1 + ab10 + ae11 + be01);
-            double w6 = lc - 0.5 * (a0 + b1 + e1 + ab01 + ae01 + be11);
-            double w7 = lc - 0.5 * (a1 + b1 + e1 + ab11 + ae11 + be11);
+            H0[k] = h0; H1[k] = h1;
+            double x0 = X0[k], x1 = X1[k], x2 = X2[k], x3 = X3[k];
+            double c = lc - 0.5 * (p00 * (x0 * x0 + x1 * x1) + p11 * (x2 * x2 + x3 * x3) + p22 * (h0 * h0 + h1 * h1));
+            /* log weight = c + sum_l s_l a_l - sum_{l<l'} s_l s_l' b_ll' */
+            double a1 = v[0] * x0 + v[1] * x1, a2 = v[2] * x2 + v[3] * x3, a3 = v[4] * h0 + v[5] * h1;
+            double b12 = p01 * (x0 * x2 + x1 * x3), b13 = p02 * (x0 * h0 + x1 * h1), b23 = p12 * (x2 * h0 + x3 * h1);
+            double g00 = c + a1 + a2 - b12, g10 = c - a1 + a2 + b12;      /* g{s1}{s2}: layers 1, 2 */
+            double g01 = c + a1 - a2 + b12, g11 = c - a1 - a2 - b12;
+            double e00 = a3 - b13 - b23, e10 = a3 + b13 - b23;            /* e{s1}{s2}: s3 a3 - ... */
+            double e01 = a3 - b13 + b23, e11 = a3 + b13 + b23;
+            double w0 = g00 + e00, w1 = g10 + e10, w2 = g01 + e01, w3 = g11 + e11;
+            double w4 = g00 - e00, w5 = g10 - e10, w6 = g01 - e01, w7 = g11 - e11;
             W[k] = w0; W[SMI_TILE + k] = w1; W[2 * SMI_TILE + k] = w2; W[3 * SMI_TILE + k] = w3;
             W[4 * SMI_TILE + k] = w4; W[5 * SMI_TILE + k] = w5; W[6 * SMI_TILE + k] = w6; W[7 * SMI_TILE + k] = w7;
             double t = SMI_MAX(SMI_MAX(SMI_MAX(w0, w1), SMI_MAX(w2, w3)), SMI_MAX(SMI_MAX(w4, w5), SMI_MAX(w6, w7)));
@@ -242,66 +259,32 @@ cdef extern from *:
         double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0, q00 = 0, q01 = 0, q02 = 0, q03 = 0, q04 = 0, q05 = 0, q11 = 0, q12 = 0, q13 = 0, q14 = 0, q15 = 0, q22 = 0, q23 = 0, q24 = 0, q25 = 0, q33 = 0, q34 = 0, q35 = 0, q44 = 0, q45 = 0, q55 = 0;
         #pragma omp simd reduction(+: s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55)
         for (long k = 0; k < K; k++) {
-            /* d{layer}{sign}{token} = ±Z - ω;  w{p}: term p */
-            double d000 = nodes[k] - om0, d010 = -nodes[k] - om0;
-            double d001 = nodes[stride + k] - om1, d011 = -nodes[stride + k] - om1;
-            double d100 = nodes[2 * stride + k] - om2, d110 = -nodes[2 * stride + k] - om2;
-            double d101 = nodes[3 * stride + k] - om3, d111 = -nodes[3 * stride + k] - om3;
-            double d200 = Z4[k] - om4, d210 = -Z4[k] - om4;
-            double d201 = Z5[k] - om5, d211 = -Z5[k] - om5;
-            double w0 = smi_exp_neg(W[k] - mx), w1 = smi_exp_neg(W[SMI_TILE + k] - mx);
-            double w2 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w3 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
-            double w4 = smi_exp_neg(W[4 * SMI_TILE + k] - mx), w5 = smi_exp_neg(W[5 * SMI_TILE + k] - mx);
-            double w6 = smi_exp_neg(W[6 * SMI_TILE + k] - mx), w7 = smi_exp_neg(W[7 * SMI_TILE + k] - mx);
-            double W00 = w0 + w2 + w4 + w6;
-            double W01 = w1 + w3 + w5 + w7;
-            double W10 = w0 + w1 + w4 + w5;
-            double W11 = w2 + w3 + w6 + w7;
-            double W20 = w0 + w1 + w2 + w3;
-            double W21 = w4 + w5 + w6 + w7;
-            double W01_00 = w0 + w4;
-            double W01_01 = w2 + w6;
-            double W01_10 = w1 + w5;
-            double W01_11 = w3 + w7;
-            double W02_00 = w0 + w2;
-            double W02_01 = w4 + w6;
-            double W02_10 = w1 + w3;
-            double W02_11 = w5 + w7;
-            double W12_00 = w0 + w1;
-            double W12_01 = w4 + w5;
-            double W12_10 = w2 + w3;
-            double W12_11 = w6 + w7;
-            s0 += W00 + W01;
-            m0 += W00 * d000 + W01 * d010;
-            m1 += W00 * d001 + W01 * d011;
-            m2 += W10 * d100 + W11 * d110;
-            m3 += W10 * d101 + W11 * d111;
-            m4 += W20 * d200 + W21 * d210;
-            m5 += W20 * d201 + W21 * d211;
-            q00 += W00 * d000 * d000 + W01 * d010 * d010;
-            q01 += W00 * d000 * d001 + W01 * d010 * d011;
-            q02 += d000 * (W01_00 * d100 + W01_01 * d110) + d010 * (W01_10 * d100 + W01_11 * d110);
-            q03 += d000 * (W01_00 * d101 + W01_01 * d111) + d010 * (W01_10 * d101 + W01_11 * d111);
-            q04 += d000 * (W02_00 * d200 + W02_01 * d210) + d010 * (W02_10 * d200 + W02_11 * d210);
-            q05 += d000 * (W02_00 * d201 + W02_01 * d211) + d010 * (W02_10 * d201 + W02_11 * d211);
-            q11 += W00 * d001 * d001 + W01 * d011 * d011;
-            q12 += d001 * (W01_00 * d100 + W01_01 * d110) + d011 * (W01_10 * d100 + W01_11 * d110);
-            q13 += d001 * (W01_00 * d101 + W01_01 * d111) + d011 * (W01_10 * d101 + W01_11 * d111);
-            q14 += d001 * (W02_00 * d200 + W02_01 * d210) + d011 * (W02_10 * d200 + W02_11 * d210);
-            q15 += d001 * (W02_00 * d201 + W02_01 * d211) + d011 * (W02_10 * d201 + W02_11 * d211);
-            q22 += W10 * d100 * d100 + W11 * d110 * d110;
-            q23 += W10 * d100 * d101 + W11 * d110 * d111;
-            q24 += d100 * (W12_00 * d200 + W12_01 * d210) + d110 * (W12_10 * d200 + W12_11 * d210);
-            q25 += d100 * (W12_00 * d201 + W12_01 * d211) + d110 * (W12_10 * d201 + W12_11 * d211);
-            q33 += W10 * d101 * d101 + W11 * d111 * d111;
-            q34 += d101 * (W12_00 * d200 + W12_01 * d210) + d111 * (W12_10 * d200 + W12_11 * d210);
-            q35 += d101 * (W12_00 * d201 + W12_01 * d211) + d111 * (W12_10 * d201 + W12_11 * d211);
-            q44 += W20 * d200 * d200 + W21 * d210 * d210;
-            q45 += W20 * d200 * d201 + W21 * d210 * d211;
-            q55 += W20 * d201 * d201 + W21 * d211 * d211;
+            double x0 = X0[k], x1 = X1[k], x2 = X2[k], x3 = X3[k], x4 = H0[k], x5 = H1[k];
+            double w0 = smi_exp_neg9(W[k] - mx), w1 = smi_exp_neg9(W[SMI_TILE + k] - mx);
+            double w2 = smi_exp_neg9(W[2 * SMI_TILE + k] - mx), w3 = smi_exp_neg9(W[3 * SMI_TILE + k] - mx);
+            double w4 = smi_exp_neg9(W[4 * SMI_TILE + k] - mx), w5 = smi_exp_neg9(W[5 * SMI_TILE + k] - mx);
+            double w6 = smi_exp_neg9(W[6 * SMI_TILE + k] - mx), w7 = smi_exp_neg9(W[7 * SMI_TILE + k] - mx);
+            /* Walsh-Hadamard: the signed sums D (bit l of the index: the sign of layer l) */
+            double a0 = w0 + w1, a1 = w0 - w1, a2 = w2 + w3, a3 = w2 - w3;
+            double a4 = w4 + w5, a5 = w4 - w5, a6 = w6 + w7, a7 = w6 - w7;
+            double b0 = a0 + a2, b1 = a1 + a3, b2 = a0 - a2, b3 = a1 - a3;
+            double b4 = a4 + a6, b5 = a5 + a7, b6 = a4 - a6, b7 = a5 - a7;
+            double D = b0 + b4, D1 = b1 + b5, D2 = b2 + b6, D12 = b3 + b7;
+            double D3 = b0 - b4, D13 = b1 - b5, D23 = b2 - b6;
+            double Sx0 = D * x0, Sx1 = D * x1, Sx2 = D * x2, Sx3 = D * x3, Sx4 = D * x4, Sx5 = D * x5;
+            double A0 = D12 * x0, A1 = D12 * x1, B0 = D13 * x0, B1 = D13 * x1, C2 = D23 * x2, C3 = D23 * x3;
+            s0 += D;
+            m0 += D1 * x0; m1 += D1 * x1; m2 += D2 * x2; m3 += D2 * x3; m4 += D3 * x4; m5 += D3 * x5;
+            q00 += Sx0 * x0; q01 += Sx0 * x1; q11 += Sx1 * x1;
+            q22 += Sx2 * x2; q23 += Sx2 * x3; q33 += Sx3 * x3;
+            q44 += Sx4 * x4; q45 += Sx4 * x5; q55 += Sx5 * x5;
+            q02 += A0 * x2; q03 += A0 * x3; q12 += A1 * x2; q13 += A1 * x3;
+            q04 += B0 * x4; q05 += B0 * x5; q14 += B1 * x4; q15 += B1 * x5;
+            q24 += C2 * x4; q25 += C2 * x5; q34 += C3 * x4; q35 += C3 * x5;
         }
-        double sums[28] = {s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55};
-        memcpy(out, sums, sizeof sums);
+        double sm[6] = {m0, m1, m2, m3, m4, m5};
+        double sq[21] = {q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25, q33, q34, q35, q44, q45, q55};
+        smi_about(s0, sm, sq, om, 6, out);
         return mx;
     }
     """
