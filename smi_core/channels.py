@@ -47,7 +47,7 @@ import numpy as np
 
 from . import _quadrature, validate
 from .kernels import first_bad_row
-from .polar import PolarRule, Rings
+from .polar import PolarRule
 from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
@@ -392,7 +392,7 @@ class ReparamChannel(PolarRule, Channel):
         a plateau of Φ)."""
         return self.model.layers in self.POLAR_SCALE and self.T == 2
 
-    def _polar_layers(self, group, mu, V, scale, u):
+    def _polar_layers(self, group, mu, V, scale):
         """The rings of every earlier layer h_ℓ about the origin (amp = (1 + c)^{2(ℓ-1)})."""
         return [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
                 for l in range(self.model.layers - 1)]
@@ -687,10 +687,6 @@ class NoisyChannel(PolarRule, Channel):
     def POLAR_DELTA(self):
         return self._delta
 
-    @property
-    def _ring_layers(self):
-        return self.model.layers
-
     # two layers: one group per V (each sample runs over its own ball and its arc of h_1, so the
     # node set-up is shared by the whole batch) with 4 radii per √V of each ring layer's range
     # (at least 32, before POLAR_SCALE and √sharp).  64-draw batches at Δ = 0.1, without the
@@ -699,14 +695,10 @@ class NoisyChannel(PolarRule, Channel):
     # cells 0.25√V wide took 3.3 / 27.4 / 45.7 ms at 2.7e-4 / 2.4e-4 / 1.2e-3
     POLAR_BY_LAYERS = {2: dict(bin=np.inf, density=4.0)}
 
-    def _polar_layers(self, group, mu, V, scale, u):
+    def _polar_layers(self, group, mu, V, scale):
         """Rings of h_ℓ (ℓ < L) as the reparametrised route's, and of u_L = Φ h_L from the origin
-        to (‖Φ‖ bound s = 1 for L = 1, c + √2 for L = 2) · (|ω_L| + reach·√V_LL); with the
-        preimage rule, u_L by Gauss–Hermite about each sample's preimage (``_preimage_nodes``)."""
+        to (‖Φ‖ bound s = 1 for L = 1, c + √2 for L = 2) · (|ω_L| + reach·√V_LL)."""
         L, c = self.model.layers, self.model.skip
-        if self._preimage:
-            rings = self._polar_rings(group, mu[:, 0], V[:, 0, 0], scale, 1.0)
-            return [rings, self._preimage_nodes(u, scale)]
         s = 1.0 if L == 1 else c + np.sqrt(2.0)
         sharp = 1.0 + self.NOISY_SHARP / np.sqrt(self._delta)
         rings = [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + c) ** (2 * l)) for l in range(L - 1)]
@@ -732,23 +724,24 @@ class NoisyChannel(PolarRule, Channel):
 
     # -- L = 2, T = 2, Δ < POLAR_MIN_NOISE[2]: the preimage rule ------------------------------
     # The likelihood N(y; σ_β(u uᵀ), Δ I) confines u_2 to ≈ √Δ about the preimages ±u* of y
-    # (the least-squares u, Gauss–Newton): Gauss–Hermite in u_2 on N(u*, Δ (JᵀJ)⁻¹) (J = ∂σ/∂u
-    # at u*; ``nodes`` per dimension at the default ``nodes``) times the rings of h_1, per sample
-    # (no nodes shared).  The reflection u_2 → -u_2 folds -u* onto u*, so each sample needs its
-    # window well inside the half plane: sd ≤ ``width``·|u*|, and ≤ ``width`` times h_2's
-    # conditional prior sd (the prior is then smooth on the window), and √Δ ≤ ``width`` times
-    # the smallest logistic slope p(1 − p) of σ_β(u* u*ᵀ) (near the softmax edge the likelihood
-    # in u is one-sided: with width 0.25 such samples were up to 1e-2 off); other samples take
-    # the Laplace rule.  As Δ → 0 the rule tends to the reparametrised route's (one u node).
-    # Measured (64 SE draws per q, against the rule at 2× the counts): max 1.8e-5 / 1.6e-5 /
-    # 6.2e-6 at Δ = 1e-4 / 1e-5 / 1e-6, q = 0, on 28 / 61 / 69 % of the samples
-    PREIMAGE = dict(nodes=8, width=0.1, steps=12)
+    # (the least-squares u, Gauss–Newton), where it is ≈ N(u; u*, C), C = Δ (JᵀJ)⁻¹ (J = ∂σ/∂u at
+    # u*), and given h_1 the prior of u_2 = Φ h_2 is Gaussian: each node of the rings of h_1 (the
+    # reparametrised route's) gets a Gauss–Hermite product in u_2 (``nodes`` per dimension at the
+    # default ``nodes``) on the product of the two Gaussians, per sample (no nodes shared).  The
+    # reflection u_2 → -u_2 folds -u* onto u* (the sign nearer h_2's prior mean is taken).  The
+    # likelihood is Gaussian in u only on a window narrow against the fold u_1 = u_2 (where
+    # σ_β(u uᵀ) is flat along (1, 1)) and the softmax edge: sd ≤ ``width``·|u*_1 − u*_2| and √Δ ≤
+    # ``width`` times the smallest logistic slope p(1 − p) of σ_β(u* u*ᵀ).  With the first as
+    # sd ≤ width·|u*| the rule was up to 2.6e-3 off (windows along the fold), and with width
+    # 0.2, 6e-4.  Other samples take the Laplace rule.  As Δ → 0 the rule tends to the
+    # reparametrised route's (one u node).  Measured (64 SE draws per q, against the rule at 2×
+    # the counts): max ≤ 1.9e-6 for Δ = 1e-4 … 1e-6, q = 0 … 0.9, on 25–66 % of the samples
+    PREIMAGE = dict(nodes=8, width=0.1, steps=12, chunk=8)
 
-    def _polar_groups(self, omega, V):
-        """The preimage rule: every sample a group of its own (its u nodes are its own)."""
-        if self._preimage:
-            return np.arange(len(omega)), np.linalg.norm(omega[:, :1], axis=2)
-        return super()._polar_groups(omega, V)
+    @property
+    def _ring_layers(self):
+        """The preimage rule needs only h_1 broad (h_2's prior is in its Gauss–Hermite rule)."""
+        return 1 if self._preimage else self.model.layers
 
     def _preimages(self, y):
         """Per sample (y: n × 4) the least-squares u* (n, 2) of |y − σ_β(u uᵀ)|² and the
@@ -777,36 +770,73 @@ class NoisyChannel(PolarRule, Channel):
                             axis=1).reshape(n, 2, 2)
         return u, chol
 
-    def _preimage_applies(self, y, V):
-        """Samples whose Gauss–Hermite window sits well inside the half plane and the prior."""
+    def _preimage_applies(self, y):
+        """Samples whose likelihood window in u_2 is narrow: inside the half plane, away from the
+        softmax edge."""
         u, chol = self._preimages(y)
         sd = np.sqrt(np.einsum("nab,nab->n", chol, chol))          # ≥ the largest sd
-        prior = 1.0 / np.sqrt(np.linalg.inv(V)[:, 1, 1])
         g = self._u_model.forward(np.nan_to_num(u)[:, None, :]).reshape(len(u), 4)
         slope = np.minimum(g[:, 0] * g[:, 1], g[:, 2] * g[:, 3])    # p(1 − p), r(1 − r): the logistic slopes
         w = self.PREIMAGE["width"]
         with np.errstate(invalid="ignore"):
-            return (sd <= w * np.linalg.norm(u, axis=1)) & (sd <= w * prior) & (np.sqrt(self._delta) <= w * slope)
+            return (sd <= w * np.abs(u[:, 0] - u[:, 1])) & (np.sqrt(self._delta) <= w * slope)
 
-    def _preimage_nodes(self, y, scale):
-        """The u_2 layer of the preimage rule (one "ring" per sample, at radius 0): Gauss–Hermite
-        nodes u* + √2 L ξ with log weights log(2 det L · w_i w_j) + |ξ|² (∫ du)."""
-        u, chol = self._preimages(y)
+    def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
+        """One pass of the polar rule, or of the preimage rule (``_preimage_nodes``, one segment
+        per sample), PREIMAGE["chunk"] samples at a time."""
+        if not self._preimage:
+            return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
+        n, chunk = len(omega), self.PREIMAGE["chunk"]
+        log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))
+        ustar, chol = self._preimages(u)
+        prec = np.linalg.inv(np.einsum("nab,ncb->nac", chol, chol))                # C⁻¹
+        for s in range(0, n, chunk):
+            idx = np.arange(s, min(s + chunk, n))
+            nodes, bound = self._preimage_nodes(omega[idx], V[idx], ustar[idx], prec[idx], scale)
+            out = np.empty(len(idx)), np.empty((len(idx), 4)), np.empty((len(idx), 4, 4))
+            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, 4), Vinv[idx], logdetV[idx],
+                                        np.arange(len(idx) + 1), bound[:-1], bound[1:], nodes, *out,
+                                        self.threads, self._delta)
+            for a, b in zip((log_z, mean, second), out):
+                a[idx] = b
+        return log_z, mean, second
+
+    def _preimage_nodes(self, omega, V, ustar, prec, scale):
+        """The preimage rule's nodes (rows as the polar rule's, one node per column) and each
+        sample's bounds: per node x_1 of h_1's rings (Φ = Φ⁽¹⁾(x_1)), h_2 | x_1 ~ N(m, s² I), so
+        u_2 ~ N(Φm, s²ΦΦᵀ); times the likelihood N(u_2; u*, C) that is N(u_2; μ, Σ) with
+        Σ⁻¹ = C⁻¹ + Φ⁻ᵀΦ⁻¹/s², μ = Σ(C⁻¹u* + Φ⁻ᵀm/s²); nodes u_2 = μ + √2 Lξ (LLᵀ = Σ, ξ the
+        Gauss–Hermite points) with log weights log(2 det L · w_ξ) + |ξ|² on top of x_1's."""
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
-        lw = np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
-        n, k = len(u), len(xi)
-        x = (u[:, None] + np.sqrt(2.0) * np.einsum("nab,kb->nka", chol, xi)).reshape(-1, 2)
-        log_w = (np.log(2 * np.abs(chol[:, 0, 0] * chol[:, 1, 1]))[:, None] + lw[None]).ravel()
-        zero = np.zeros((n, 1))
-        return Rings(x, log_w, zero, np.full((n, 1), k, dtype=np.int64), zero, np.zeros(n), np.ones(n), True)
+        lxi = np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
+        k = len(omega)
+        rings = self._polar_rings(np.arange(k), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
+        per = rings.count.sum(axis=1)
+        i = np.repeat(np.arange(k), per)                                       # each x_1's sample
+        x1 = rings.x
+        inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
+        F = inv[:4].T.reshape(-1, 2, 2)                                        # Φ⁻¹
+        m = omega[i, 1] + (V[i, 1, 0] / V[i, 0, 0])[:, None] * (x1 - omega[i, 0])
+        s2 = (V[i, 1, 1] - V[i, 1, 0] ** 2 / V[i, 0, 0])[:, None]
+        h = np.einsum("kab,kb->ka", F, ustar[i])
+        us = ustar[i] * np.where(((h - m) ** 2).sum(1) <= ((h + m) ** 2).sum(1), 1.0, -1.0)[:, None]
+        Sigma = np.linalg.inv(prec[i] + np.einsum("kba,kbc->kac", F, F) / s2[:, :, None])
+        mu = np.einsum("kab,kb->ka", Sigma, np.einsum("kab,kb->ka", prec[i], us) + np.einsum("kba,kb->ka", F, m) / s2)
+        L = np.linalg.cholesky(Sigma)
+        u2 = (mu[:, None] + np.sqrt(2.0) * np.einsum("kab,gb->kga", L, xi)).reshape(-1, 2)
+        G = len(xi)
+        log_w = ((rings.log_w + np.log(2 * L[:, 0, 0] * L[:, 1, 1]))[:, None] + lxi[None]).ravel()
+        nodes = np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None], np.repeat(inv, G, axis=1),
+                                self._u_model.forward(u2[:, None, :]).reshape(-1, 4).T])
+        return np.ascontiguousarray(nodes), np.concatenate([[0], np.cumsum(per * G)])
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """The polar rule (``PolarRule._polar``); the preimage rule where it applies
         (``_preimage_applies``), the Laplace rule for the other samples."""
         if not self._preimage:
             return super()._polar(y, omega, V, Vinv, logdetV)
-        good = self._preimage_applies(y, V)
+        good = self._preimage_applies(y)
         out = np.zeros(len(y)), np.zeros(omega.shape[:1] + (self.R * self.T,)), \
             np.zeros((len(y),) + (self.R * self.T,) * 2), np.zeros(len(y))
         for idx, method in ((np.flatnonzero(good), super()._polar), (np.flatnonzero(~good), self._laplace)):

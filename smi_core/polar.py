@@ -60,8 +60,8 @@ class PolarRule:
     """Shared-node polar rules (mixin).  The channel provides ``model``, ``tol``,
     ``error_estimate``, ``threads``, ``_spread`` and: ``_polar_applies`` (whether the model has
     a polar rule at all), ``_ring_layers`` (how many layers have a ring rule: their |ω_ℓ| set
-    the groups and their conditional prior sd chooses the rule), ``_polar_layers(group, mu, V, scale, u)`` (the
-    rings of those layers, ``_polar_rings`` results; ``u`` the samples' rows below), ``_polar_data(x)`` (the node rows after the log
+    the groups and their conditional prior sd chooses the rule), ``_polar_layers(group, mu, V, scale)`` (the rings
+    of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (the node rows after the log
     weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
@@ -156,7 +156,7 @@ class PolarRule:
         log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
         return Rings(x, log_w, r, count, dist ** 2 / v[:, None], mu, var, origin)
 
-    def _polar_plan(self, omega, V, scale, u):
+    def _polar_plan(self, omega, V, scale):
         """The polar rule of every group (``_polar_groups``): the product of the ring layers'
         rules (``_polar_layers``) by blocks (one per tuple of rings, the last layer's ring
         fastest; with two layers the first layer's nodes count as rings of one node each,
@@ -173,7 +173,7 @@ class PolarRule:
         Returns a ``Plan``."""
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
-        layers = self._polar_layers(group, mu, V, scale, u)
+        layers = self._polar_layers(group, mu, V, scale)
         if len(layers) == 2:
             layers[0] = _by_node(layers[0])
         reach2 = self._polar_params()["reach"] ** 2
@@ -247,7 +247,7 @@ class PolarRule:
         chunk = self.POLAR_CHUNK[2 * self._ring_layers]
         for first in range(0, group.max() + 1, chunk):
             idx = np.flatnonzero((group >= first) & (group < first + chunk))
-            plan = self._polar_plan(omega[idx], V[idx], scale, u[idx])
+            plan = self._polar_plan(omega[idx], V[idx], scale)
             for b0, b1, nodes in self._polar_pieces(plan):
                 start, stop = np.maximum(plan.seg_b0, b0), np.minimum(plan.seg_b1, b1)
                 keep = start < stop
