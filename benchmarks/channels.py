@@ -2,7 +2,8 @@
 on one core (best of three, CPU time of this process with threads=1 — run it with
 OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
-layers, with --self-reference K, against the same rule at twice the node counts on K draws.
+layers, and noisy two layers below Δ = 1e-3 (timed and checked on the preimage rule's samples),
+with --self-reference K, against the same rule at twice the node counts on K draws.
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import channel_reference as ref  # noqa: E402
 
 from smi_core import DeepAttention  # noqa: E402
+from smi_core.channels import DEFAULT_NODES, NoisyChannel  # noqa: E402
 
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
@@ -58,8 +60,10 @@ def main():
     p.add_argument("--l3-timing-samples", type=int, default=40,
                    help="4-D cases (L = 3, noisy L = 2) take ≈ 5-30 ms per sample")
     p.add_argument("--self-reference", type=int, default=0, metavar="K",
-                   help="three layers: measure the error on K draws against the same rule at twice the "
-                        "node counts per dimension (the mpmath reference takes minutes per draw)")
+                   help="three layers, and noisy two layers below Δ = 1e-3 (the preimage rule's samples "
+                        "only, their share in the first column): measure the error on K draws against "
+                        "the same rule at twice the node counts per dimension (the mpmath reference "
+                        "takes minutes per draw)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
@@ -85,12 +89,18 @@ def run(a, rng, route, L, T, noise, reference, settings):
     model = DeepAttention(L, T, threads=1)
     name = f"{route} Δ={noise:g}" if noise else route
     four_d = L == 3 or (noise and L == 2)                   # 4-D integrals: the L = 3 sample counts
+    preimage = route == "noisy" and L == 2 and noise < NoisyChannel.POLAR_MIN_NOISE[2]
     for q in a.q:
         y, omega, V = draws(model, q, a.l3_timing_samples if four_d else a.timing_samples, rng, noise,
                             a.pinned)
+        case = name
+        if preimage:        # the preimage rule's samples (the others take the Laplace rule)
+            keep = model.channel(noise=noise)._preimage_applies(y.reshape(len(y), -1))
+            y, omega, case = y[keep], omega[keep], f"{name} {keep.mean():.0%}"
         k = a.l3_reference_samples if four_d else a.reference_samples
-        if L == 3 and a.self_reference:
-            fine = model.channel(threads=1, error_estimate=False, nodes=14).moments(
+        if a.self_reference and (L == 3 or preimage):
+            fine = model.channel(noise=noise, threads=1, error_estimate=False,
+                                 nodes=2 * DEFAULT_NODES[2 * (L - 1) if L == 3 else 2]).moments(
                 y[:a.self_reference], omega[:a.self_reference], V)
             refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
         else:
@@ -106,7 +116,7 @@ def run(a, rng, route, L, T, noise, reference, settings):
             us = min(times) / len(y) * 1e6
             errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
             label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
-            print(f"{name:14s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
+            print(f"{case:14s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
                   f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
 
 
