@@ -679,6 +679,7 @@ class NoisyChannel(PolarRule, Channel):
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
             self._u_model = _one_layer(model, self.threads)
             self._u_jacobian = self._u_model.kernel("jacobian")
+            self._u_reparam = self._u_model.kernel("reparam")
             if model.layers == 2:
                 self._mixing_kernel = model.kernel("mixing")
 
@@ -723,63 +724,44 @@ class NoisyChannel(PolarRule, Channel):
             1.0 if self._preimage else self.POLAR_SCALE[self.model.layers])
 
     # -- L = 2, T = 2, Δ < POLAR_MIN_NOISE[2]: the preimage rule ------------------------------
-    # The likelihood N(y; σ_β(u uᵀ), Δ I) confines u_2 to ≈ √Δ about the preimages ±u* of y
-    # (the least-squares u, Gauss–Newton), where it is ≈ N(u; u*, C), C = Δ (JᵀJ)⁻¹ (J = ∂σ/∂u at
-    # u*), and given h_1 the prior of u_2 = Φ h_2 is Gaussian: each node of the rings of h_1 (the
-    # reparametrised route's) gets a Gauss–Hermite product in u_2 (``nodes`` per dimension at the
-    # default ``nodes``) on the product of the two Gaussians, per sample (no nodes shared).  The
-    # reflection u_2 → -u_2 folds -u* onto u* (the sign nearer h_2's prior mean is taken).  The
-    # likelihood is Gaussian in u only on a window narrow against the fold u_1 = u_2 (where
-    # σ_β(u uᵀ) is flat along (1, 1)) and the softmax edge: sd ≤ ``width``·|u*_1 − u*_2| and √Δ ≤
-    # ``width`` times the smallest logistic slope p(1 − p) of σ_β(u* u*ᵀ).  With the first as
-    # sd ≤ width·|u*| the rule was up to 2.6e-3 off (windows along the fold), and with width
-    # 0.2, 6e-4.  Other samples take the Laplace rule.  As Δ → 0 the rule tends to the
-    # reparametrised route's (one u node).  Measured (64 SE draws per q, against the rule at 2×
-    # the counts): max ≤ 1.9e-6 for Δ = 1e-4 … 1e-6, q = 0 … 0.9, on 25–66 % of the samples
-    PREIMAGE = dict(nodes=8, width=0.1, steps=12, chunk=8)
+    # In the off-diagonal entries p = σ_12, r = σ_21 of σ_β(u_2 u_2ᵀ) = [[1 − p, p], [r, 1 − r]]
+    # the likelihood N(y; σ, Δ I) is exactly N(p; p̄, Δ/2) N(r; r̄, Δ/2) (times a constant), p̄ =
+    # (y_12 + 1 − y_11)/2, r̄ = (y_21 + 1 − y_22)/2, and (p, r) ↦ u_2 is the one-layer
+    # reparametrisation on the triangle p, r > 0, p + r < 1 (du = dp dr / |det ∂(p, r)/∂u|, which
+    # vanishes on the triangle's edges).  Given h_1 the prior of h_2 = Φ⁻¹u_2 is Gaussian; linear
+    # in (p, r) about (p̄, r̄) it makes the posterior ≈ Gaussian in (p, r).  So each node of the
+    # rings of h_1 (the reparametrised route's) gets a Gauss–Hermite product in (p, r) (``nodes``
+    # per dimension at the default ``nodes``) on that Gaussian, per sample; the reflection
+    # u_2 → −u_2 is folded (the sign nearer h_2's prior mean is taken).  It applies where the
+    # likelihood's window stays ``margin`` sd inside the triangle: min(p̄, r̄, (1 − p̄ − r̄)/√2) ≥
+    # margin·√(Δ/2) (margin 4: up to 3.8e-4 off, the Jacobian's zeros too near; 5: 1.6e-6).
+    # Other samples take the Laplace rule.  As Δ → 0 the rule tends to the reparametrised
+    # route's (one u node).
+    PREIMAGE = dict(nodes=8, margin=6.0, chunk=8)
 
     @property
     def _ring_layers(self):
         """The preimage rule needs only h_1 broad (h_2's prior is in its Gauss–Hermite rule)."""
         return 1 if self._preimage else self.model.layers
 
-    def _preimages(self, y):
-        """Per sample (y: n × 4) the least-squares u* (n, 2) of |y − σ_β(u uᵀ)|² and the
-        Cholesky factor of Δ (JᵀJ)⁻¹ (n, 2, 2): from the softmax output nearest y (the mean of
-        each row's two estimates of its off-diagonal entry), reparametrised, then
-        PREIMAGE["steps"] Gauss–Newton steps.  NaN where y has no such output (p + r ≥ 1)."""
-        n = len(y)
-        p = np.clip(0.5 * (y[:, 1] + 1 - y[:, 0]), 1e-12, 1 - 1e-12)
-        r = np.clip(0.5 * (y[:, 2] + 1 - y[:, 3]), 1e-12, 1 - 1e-12)
-        ok = p + r < 1
-        u = np.full((n, 2), np.nan)
-        if ok.any():
-            A = np.stack([1 - p, p, r, 1 - r], axis=1)[ok].reshape(-1, 2, 2)
-            u[ok] = self._u_model.reparametrise(A).u
-        with np.errstate(all="ignore"):
-            for _ in range(self.PREIMAGE["steps"] + 1):
-                out = self._u_jacobian(np.nan_to_num(u), self.model.params)
-                J = out[:, 4:].reshape(n, 4, 2)
-                a, b, d = (J[:, :, 0] ** 2).sum(1), (J[:, :, 0] * J[:, :, 1]).sum(1), (J[:, :, 1] ** 2).sum(1)
-                inv = np.stack([d, -b, -b, a], axis=1).reshape(n, 2, 2) / (a * d - b * b)[:, None, None]
-                step = np.einsum("nab,nkb,nk->na", inv, J, y - out[:, :4])
-                u = u + step * (_ < self.PREIMAGE["steps"])
-            C = self._delta * inv                                   # Cholesky factor of Δ (JᵀJ)⁻¹
-            l11 = np.sqrt(C[:, 0, 0])
-            chol = np.stack([l11, 0 * l11, C[:, 1, 0] / l11, np.sqrt(C[:, 1, 1] - C[:, 1, 0] ** 2 / C[:, 0, 0])],
-                            axis=1).reshape(n, 2, 2)
-        return u, chol
+    @staticmethod
+    def _preimage_centre(y):
+        """(p̄, r̄) per sample (y: n × 4, row-major)."""
+        return 0.5 * (y[:, 1] + 1 - y[:, 0]), 0.5 * (y[:, 2] + 1 - y[:, 3])
 
     def _preimage_applies(self, y):
-        """Samples whose likelihood window in u_2 is narrow: inside the half plane, away from the
-        softmax edge."""
-        u, chol = self._preimages(y)
-        sd = np.sqrt(np.einsum("nab,nab->n", chol, chol))          # ≥ the largest sd
-        g = self._u_model.forward(np.nan_to_num(u)[:, None, :]).reshape(len(u), 4)
-        slope = np.minimum(g[:, 0] * g[:, 1], g[:, 2] * g[:, 3])    # p(1 − p), r(1 − r): the logistic slopes
-        w = self.PREIMAGE["width"]
-        with np.errstate(invalid="ignore"):
-            return (sd <= w * np.abs(u[:, 0] - u[:, 1])) & (np.sqrt(self._delta) <= w * slope)
+        """Samples whose likelihood window in (p, r) stays PREIMAGE["margin"] sd inside the
+        triangle."""
+        p, r = self._preimage_centre(y)
+        return np.minimum(np.minimum(p, r), (1 - p - r) / np.sqrt(2)) >= self.PREIMAGE["margin"] * np.sqrt(self._delta / 2)
+
+    def _preimage_u(self, p, r):
+        """u_2 (the + pre-image) of σ = [[1 − p, p], [r, 1 − r]] by the generated one-layer
+        reparametrisation, and log|det ∂(p, r)/∂u| by its Jacobian kernel."""
+        S = np.stack([1 - p, p, r, 1 - r], axis=1)
+        u = self._u_reparam(S, self.model.params)[:, :2]
+        D = self._u_jacobian(u, self.model.params)[:, 4:].reshape(-1, 4, 2)[:, [1, 2]]    # ∂(p, r)/∂u
+        return u, D
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, or of the preimage rule (``_preimage_nodes``, one segment
@@ -788,11 +770,9 @@ class NoisyChannel(PolarRule, Channel):
             return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
         n, chunk = len(omega), self.PREIMAGE["chunk"]
         log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))
-        ustar, chol = self._preimages(u)
-        prec = np.linalg.inv(np.einsum("nab,ncb->nac", chol, chol))                # C⁻¹
         for s in range(0, n, chunk):
             idx = np.arange(s, min(s + chunk, n))
-            nodes, bound = self._preimage_nodes(omega[idx], V[idx], ustar[idx], prec[idx], scale)
+            nodes, bound = self._preimage_nodes(u[idx], omega[idx], V[idx], scale)
             out = np.empty(len(idx)), np.empty((len(idx), 4)), np.empty((len(idx), 4, 4))
             _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, 4), Vinv[idx], logdetV[idx],
                                         np.arange(len(idx) + 1), bound[:-1], bound[1:], nodes, *out,
@@ -801,16 +781,20 @@ class NoisyChannel(PolarRule, Channel):
                 a[idx] = b
         return log_z, mean, second
 
-    def _preimage_nodes(self, omega, V, ustar, prec, scale):
+    def _preimage_nodes(self, y, omega, V, scale):
         """The preimage rule's nodes (rows as the polar rule's, one node per column) and each
-        sample's bounds: per node x_1 of h_1's rings (Φ = Φ⁽¹⁾(x_1)), h_2 | x_1 ~ N(m, s² I), so
-        u_2 ~ N(Φm, s²ΦΦᵀ); times the likelihood N(u_2; u*, C) that is N(u_2; μ, Σ) with
-        Σ⁻¹ = C⁻¹ + Φ⁻ᵀΦ⁻¹/s², μ = Σ(C⁻¹u* + Φ⁻ᵀm/s²); nodes u_2 = μ + √2 Lξ (LLᵀ = Σ, ξ the
-        Gauss–Hermite points) with log weights log(2 det L · w_ξ) + |ξ|² on top of x_1's."""
+        sample's bounds.  Per node x_1 of h_1's rings (F = Φ⁽¹⁾(x_1)⁻¹): h_2 | x_1 ~ N(m, s² I),
+        and h_2 = ±F u_2(p, r) ≈ h* + B δ with δ = (p, r) − (p̄, r̄), B = ±F ∂u/∂(p, r); with the
+        likelihood N(δ; 0, Δ/2 I) the posterior ≈ N(δ; μ, Σ), Σ⁻¹ = 2I/Δ + BᵀB/s²,
+        μ = −ΣBᵀ(h* − m)/s²; nodes δ = μ + √2 Lξ (LLᵀ = Σ, ξ the Gauss–Hermite points) with log
+        weights log(2 det L · w_ξ) + |ξ|² − log|det ∂(p, r)/∂u| on top of x_1's (nodes outside
+        the triangle weigh 0)."""
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
         lxi = np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
-        k = len(omega)
+        k, G = len(omega), len(xi)
+        centre = np.stack(self._preimage_centre(y), axis=1)
+        ustar, D = self._preimage_u(*centre.T)
         rings = self._polar_rings(np.arange(k), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
         per = rings.count.sum(axis=1)
         i = np.repeat(np.arange(k), per)                                       # each x_1's sample
@@ -820,13 +804,20 @@ class NoisyChannel(PolarRule, Channel):
         m = omega[i, 1] + (V[i, 1, 0] / V[i, 0, 0])[:, None] * (x1 - omega[i, 0])
         s2 = (V[i, 1, 1] - V[i, 1, 0] ** 2 / V[i, 0, 0])[:, None]
         h = np.einsum("kab,kb->ka", F, ustar[i])
-        us = ustar[i] * np.where(((h - m) ** 2).sum(1) <= ((h + m) ** 2).sum(1), 1.0, -1.0)[:, None]
-        Sigma = np.linalg.inv(prec[i] + np.einsum("kba,kbc->kac", F, F) / s2[:, :, None])
-        mu = np.einsum("kab,kb->ka", Sigma, np.einsum("kab,kb->ka", prec[i], us) + np.einsum("kba,kb->ka", F, m) / s2)
+        sign = np.where(((h - m) ** 2).sum(1) <= ((h + m) ** 2).sum(1), 1.0, -1.0)[:, None]
+        B = sign[:, :, None] * np.einsum("kab,kbc->kac", F, np.linalg.inv(D)[i])
+        Sigma = np.linalg.inv(2 / self._delta * np.eye(2) + np.einsum("kba,kbc->kac", B, B) / s2[:, :, None])
+        mu = -np.einsum("kab,kcb,kc->ka", Sigma, B, sign * h - m) / s2
         L = np.linalg.cholesky(Sigma)
-        u2 = (mu[:, None] + np.sqrt(2.0) * np.einsum("kab,gb->kga", L, xi)).reshape(-1, 2)
-        G = len(xi)
+        pr = (centre[i] + mu)[:, None] + np.sqrt(2.0) * np.einsum("kab,gb->kga", L, xi)
+        pr = pr.reshape(-1, 2)
+        inside = (pr > 0).all(axis=1) & (pr.sum(axis=1) < 1)
+        pr = np.where(inside[:, None], pr, 0.25)                               # placeholders, weight 0
+        u2, Dn = self._preimage_u(*pr.T)
+        u2 *= np.repeat(sign, G, axis=0)
+        det = np.abs(Dn[:, 0, 0] * Dn[:, 1, 1] - Dn[:, 0, 1] * Dn[:, 1, 0])
         log_w = ((rings.log_w + np.log(2 * L[:, 0, 0] * L[:, 1, 1]))[:, None] + lxi[None]).ravel()
+        log_w = np.where(inside, log_w - np.log(det), -np.inf)
         nodes = np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None], np.repeat(inv, G, axis=1),
                                 self._u_model.forward(u2[:, None, :]).reshape(-1, 4).T])
         return np.ascontiguousarray(nodes), np.concatenate([[0], np.cumsum(per * G)])

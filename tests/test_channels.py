@@ -720,10 +720,11 @@ def _preimage_samples(ch, y, V):
 
 def test_noisy_l2_preimage_rule_tends_to_reparam_route():
     """Δ < 1e-3, two layers: the preimage rule (the rings of h_1, each node with a Gauss–Hermite
-    rule in u_2 about y's least-squares preimage) on noiseless SE outputs (q = 0.5).  At
-    Δ = 1e-12 it takes ≥ 90 % of the samples and on each is within 1e-5 of the reparametrised
-    route at tol = 1e-8, an independent rule (measured: 46 of 48, max 3.2e-7; the median
-    distance falls ∝ Δ: 5.4e-5, 8.1e-7, 1.4e-8 at Δ = 1e-6, 1e-8, 1e-10)."""
+    rule in the off-diagonal entries (p, r) of σ_β(u_2 u_2ᵀ), where the likelihood is Gaussian)
+    on noiseless SE outputs (q = 0.5).  At Δ = 1e-12 it takes ≥ 90 % of the samples and on each
+    is within 1e-5 of the reparametrised route at tol = 1e-8, an independent rule (measured: 46
+    of 48, max 3.2e-7; the median distance falls ∝ Δ: 7.3e-5, 9.5e-7, 1.4e-8 at Δ = 1e-6, 1e-8,
+    1e-10)."""
     y, omega, V = se_batch(2, 48, 0.5 * np.eye(2), np.random.default_rng(7))
     exact = model(2).channel(tol=1e-8).moments(y, omega, V)
     ch = model(2).channel(noise=1e-12)
@@ -737,8 +738,8 @@ def test_noisy_l2_preimage_rule_tends_to_reparam_route():
 @pytest.mark.parametrize("q", [0.0, 0.9])
 def test_noisy_l2_preimage_rule_converges(q):
     """Δ = 1e-5 (the preimage rule where it applies, else the Laplace rule): on the preimage
-    samples of 32 SE draws (measured 47 % / 53 %) the default is within 1e-5 of the rule at 1.5×
-    the node counts per dimension (measured max 3.0e-7 / 3.4e-7 at q = 0 / 0.9)."""
+    samples of 32 SE draws (measured 66 % / 69 %) the default is within 1e-5 of the rule at 1.5×
+    the node counts per dimension (measured max 1.3e-7 / 1.6e-8 at q = 0 / 0.9)."""
     y, omega, V = se_batch(2, 32, q * np.eye(2), np.random.default_rng(11), noise=1e-5)
     ch = model(2).channel(noise=1e-5)
     good = _preimage_samples(ch, y, V)
