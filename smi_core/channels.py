@@ -658,7 +658,8 @@ class NoisyChannel(PolarRule, Channel):
     through u_L = 0, so u_L gets a ring rule about the origin like the earlier layers, with
     counts × sharp = 1 + NOISY_SHARP/√Δ (the likelihood narrows the cliffs by ≈ √Δ; radial
     counts × √sharp).  Two layers below POLAR_MIN_NOISE[2] take the preimage rule (``PREIMAGE``):
-    u_2 by Gauss–Hermite about the preimage of y, where that window is narrow enough."""
+    Gauss–Hermite in the off-diagonal entries of σ_β(u_2 u_2ᵀ), where the likelihood is
+    Gaussian, for samples whose window is well inside the softmax's range."""
 
     route, _route_id = "noisy", 1
     NOISY_SHARP = 0.8
