@@ -758,11 +758,11 @@ class NoisyChannel(PolarRule, Channel):
 
     def _preimage_u(self, p, r):
         """u_2 (the + pre-image) of σ = [[1 − p, p], [r, 1 − r]] by the generated one-layer
-        reparametrisation, and log|det ∂(p, r)/∂u| by its Jacobian kernel."""
+        reparametrisation, ∂(p, r)/∂u by its Jacobian kernel, and σ itself (rows of 4)."""
         S = np.stack([1 - p, p, r, 1 - r], axis=1)
         u = self._u_reparam(S, self.model.params)[:, :2]
         D = self._u_jacobian(u, self.model.params)[:, 4:].reshape(-1, 4, 2)[:, [1, 2]]    # ∂(p, r)/∂u
-        return u, D
+        return u, D, S
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, or of the preimage rule (``_preimage_nodes``, one segment
@@ -795,7 +795,7 @@ class NoisyChannel(PolarRule, Channel):
         lxi = np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
         k, G = len(omega), len(xi)
         centre = np.stack(self._preimage_centre(y), axis=1)
-        ustar, D = self._preimage_u(*centre.T)
+        ustar, D, _ = self._preimage_u(*centre.T)
         rings = self._polar_rings(np.arange(k), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
         per = rings.count.sum(axis=1)
         i = np.repeat(np.arange(k), per)                                       # each x_1's sample
@@ -814,13 +814,12 @@ class NoisyChannel(PolarRule, Channel):
         pr = pr.reshape(-1, 2)
         inside = (pr > 0).all(axis=1) & (pr.sum(axis=1) < 1)
         pr = np.where(inside[:, None], pr, 0.25)                               # placeholders, weight 0
-        u2, Dn = self._preimage_u(*pr.T)
+        u2, Dn, S = self._preimage_u(*pr.T)
         u2 *= np.repeat(sign, G, axis=0)
         det = np.abs(Dn[:, 0, 0] * Dn[:, 1, 1] - Dn[:, 0, 1] * Dn[:, 1, 0])
         log_w = ((rings.log_w + np.log(2 * L[:, 0, 0] * L[:, 1, 1]))[:, None] + lxi[None]).ravel()
         log_w = np.where(inside, log_w - np.log(det), -np.inf)
-        nodes = np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None], np.repeat(inv, G, axis=1),
-                                self._u_model.forward(u2[:, None, :]).reshape(-1, 4).T])
+        nodes = np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None], np.repeat(inv, G, axis=1), S.T])
         return np.ascontiguousarray(nodes), np.concatenate([[0], np.cumsum(per * G)])
 
     def _polar(self, y, omega, V, Vinv, logdetV):
