@@ -47,7 +47,7 @@ import numpy as np
 
 from . import _quadrature, validate
 from .kernels import first_bad_row
-from .polar import PolarRule
+from .polar import PolarRule, _merge
 from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
@@ -738,7 +738,7 @@ class NoisyChannel(PolarRule, Channel):
     # margin·√(Δ/2) (margin 4: up to 3.8e-4 off, the Jacobian's zeros too near; 5: 1.6e-6).
     # Other samples take the Laplace rule.  As Δ → 0 the rule tends to the reparametrised
     # route's (one u node).
-    PREIMAGE = dict(nodes=8, margin=6.0, chunk=8)
+    PREIMAGE = dict(nodes=8, margin=6.0, piece=1 << 18)   # piece: nodes held at a time (≈ 30 MB)
 
     @property
     def _ring_layers(self):
@@ -765,62 +765,73 @@ class NoisyChannel(PolarRule, Channel):
         return u, D, S
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
-        """One pass of the polar rule, or of the preimage rule (``_preimage_nodes``, one segment
-        per sample), PREIMAGE["chunk"] samples at a time."""
+        """One pass of the polar rule, or of the preimage rule: the rings of h_1 of every sample
+        (groups of one), their nodes with the (p, r) rules (``_preimage_nodes``) PREIMAGE["piece"]
+        at a time (bounded memory), each piece's moments merged by mass."""
         if not self._preimage:
             return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
-        n, chunk = len(omega), self.PREIMAGE["chunk"]
-        log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))
-        for s in range(0, n, chunk):
-            idx = np.arange(s, min(s + chunk, n))
-            nodes, bound = self._preimage_nodes(u[idx], omega[idx], V[idx], scale)
-            out = np.empty(len(idx)), np.empty((len(idx), 4)), np.empty((len(idx), 4, 4))
-            _quadrature.integrate_polar(u[idx], omega[idx].reshape(-1, 4), Vinv[idx], logdetV[idx],
-                                        np.arange(len(idx) + 1), bound[:-1], bound[1:], nodes, *out,
-                                        self.threads, self._delta)
-            for a, b in zip((log_z, mean, second), out):
-                a[idx] = b
-        return log_z, mean, second
-
-    def _preimage_nodes(self, y, omega, V, scale):
-        """The preimage rule's nodes (rows as the polar rule's, one node per column) and each
-        sample's bounds.  Per node x_1 of h_1's rings (F = Φ⁽¹⁾(x_1)⁻¹): h_2 | x_1 ~ N(m, s² I),
-        and h_2 = ±F u_2(p, r) ≈ h* + B δ with δ = (p, r) − (p̄, r̄), B = ±F ∂u/∂(p, r); with the
-        likelihood N(δ; 0, Δ/2 I) the posterior ≈ N(δ; μ, Σ), Σ⁻¹ = 2I/Δ + BᵀB/s²,
-        μ = −ΣBᵀ(h* − m)/s²; nodes δ = μ + √2 Lξ (LLᵀ = Σ, ξ the Gauss–Hermite points) with log
-        weights log(2 det L · w_ξ) + |ξ|² − log|det ∂(p, r)/∂u| on top of x_1's (nodes outside
-        the triangle weigh 0)."""
+        n = len(omega)
+        total = np.full(n, -np.inf), np.zeros((n, 4)), np.zeros((n, 4, 4))
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
-        lxi = np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
-        k, G = len(omega), len(xi)
-        centre = np.stack(self._preimage_centre(y), axis=1)
+        rule = xi, np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
+        centre = np.stack(self._preimage_centre(u), axis=1)
         ustar, D, _ = self._preimage_u(*centre.T)
-        rings = self._polar_rings(np.arange(k), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
-        per = rings.count.sum(axis=1)
-        i = np.repeat(np.arange(k), per)                                       # each x_1's sample
-        x1 = rings.x
+        rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
+        owner = np.repeat(np.arange(n), rings.count.sum(axis=1))               # each x_1's sample
+        step = max(1, self.PREIMAGE["piece"] // len(xi))
+        for a in range(0, len(owner), step):
+            part = slice(a, a + step)
+            i = owner[part]
+            nodes = self._preimage_nodes(rings.x[part], rings.log_w[part], omega[i], V[i], centre[i], ustar[i],
+                                         np.linalg.inv(D)[i], rule)
+            ids, first, count = np.unique(i, return_index=True, return_counts=True)
+            out = np.empty(len(ids)), np.empty((len(ids), 4)), np.empty((len(ids), 4, 4))
+            _quadrature.integrate_polar(u[ids], omega[ids].reshape(-1, 4), Vinv[ids], logdetV[ids],
+                                        np.arange(len(ids) + 1), first * len(xi), (first + count) * len(xi),
+                                        nodes, *out, self.threads, self._delta)
+            _merge(total, ids, out)
+        return total
+
+    def _preimage_nodes(self, x1, lw1, omega, V, centre, ustar, Dinv, rule):
+        """The preimage rule's nodes for nodes x_1 (log weights lw1) of h_1's rings, each with
+        its sample's ω, V, (p̄, r̄), u* and ∂u/∂(p, r) at u* (rows as the polar rule's, one node
+        per column, x_1's Gauss–Hermite nodes ``rule`` = (ξ, log w_ξ + |ξ|²) consecutive).  With
+        F = Φ⁽¹⁾(x_1)⁻¹: h_2 | x_1 ~ N(m, s² I), and h_2 = ±F u_2(p, r) ≈ h* + B δ with
+        δ = (p, r) − (p̄, r̄), B = ±F ∂u/∂(p, r); with the likelihood N(δ; 0, Δ/2 I) the
+        posterior ≈ N(δ; μ, Σ), Σ⁻¹ = 2I/Δ + BᵀB/s², μ = −ΣBᵀ(h* − m)/s²; nodes δ = μ + √2 Lξ
+        (LLᵀ = Σ) with log weights log(2 det L) + log w_ξ + |ξ|² − log|det ∂(p, r)/∂u| on top of
+        x_1's (nodes outside the triangle, or where Φ is singular, weigh 0)."""
+        xi, lxi = rule
+        G = len(xi)
         inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
-        F = inv[:4].T.reshape(-1, 2, 2)                                        # Φ⁻¹
-        m = omega[i, 1] + (V[i, 1, 0] / V[i, 0, 0])[:, None] * (x1 - omega[i, 0])
-        s2 = (V[i, 1, 1] - V[i, 1, 0] ** 2 / V[i, 0, 0])[:, None]
-        h = np.einsum("kab,kb->ka", F, ustar[i])
+        finite = np.isfinite(inv).all(axis=0)                                  # Φ singular: weight 0
+        F = np.where(finite[:, None, None], inv[:4].T.reshape(-1, 2, 2), np.eye(2))     # Φ⁻¹
+        m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
+        s2 = (V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0])[:, None]
+        h = np.einsum("kab,kb->ka", F, ustar)
         sign = np.where(((h - m) ** 2).sum(1) <= ((h + m) ** 2).sum(1), 1.0, -1.0)[:, None]
-        B = sign[:, :, None] * np.einsum("kab,kbc->kac", F, np.linalg.inv(D)[i])
-        Sigma = np.linalg.inv(2 / self._delta * np.eye(2) + np.einsum("kba,kbc->kac", B, B) / s2[:, :, None])
-        mu = -np.einsum("kab,kcb,kc->ka", Sigma, B, sign * h - m) / s2
-        L = np.linalg.cholesky(Sigma)
-        pr = (centre[i] + mu)[:, None] + np.sqrt(2.0) * np.einsum("kab,gb->kga", L, xi)
-        pr = pr.reshape(-1, 2)
-        inside = (pr > 0).all(axis=1) & (pr.sum(axis=1) < 1)
+        B = sign[:, :, None] * np.einsum("kab,kbc->kac", F, Dinv)
+        P = 2 / self._delta * np.eye(2) + np.einsum("kba,kbc->kac", B, B) / s2[:, :, None]
+        with np.errstate(all="ignore"):         # Σ = P⁻¹ and its Cholesky factor, 2 × 2
+            Sigma = np.stack([P[:, 1, 1], -P[:, 0, 1], -P[:, 1, 0], P[:, 0, 0]], axis=1).reshape(-1, 2, 2) \
+                / (P[:, 0, 0] * P[:, 1, 1] - P[:, 0, 1] * P[:, 1, 0])[:, None, None]
+            l11 = np.sqrt(Sigma[:, 0, 0])
+            L = np.stack([l11, 0 * l11, Sigma[:, 1, 0] / l11, np.sqrt(Sigma[:, 1, 1] - (Sigma[:, 1, 0] / l11) ** 2)],
+                         axis=1).reshape(-1, 2, 2)
+        finite &= np.isfinite(L).all(axis=(1, 2)) & (L[:, 0, 0] > 0) & (L[:, 1, 1] > 0)   # Φ near-singular:
+        L = np.where(finite[:, None, None], L, 1.0)                                      # P lost to rounding
+        mu = np.where(finite[:, None], -np.einsum("kab,kcb,kc->ka", Sigma, B, sign * h - m) / s2, 0.0)
+        pr = ((centre + mu)[:, None] + np.sqrt(2.0) * np.einsum("kab,gb->kga", L, xi)).reshape(-1, 2)
+        inside = (pr > 0).all(axis=1) & (pr.sum(axis=1) < 1) & np.repeat(finite, G)
         pr = np.where(inside[:, None], pr, 0.25)                               # placeholders, weight 0
         u2, Dn, S = self._preimage_u(*pr.T)
         u2 *= np.repeat(sign, G, axis=0)
         det = np.abs(Dn[:, 0, 0] * Dn[:, 1, 1] - Dn[:, 0, 1] * Dn[:, 1, 0])
-        log_w = ((rings.log_w + np.log(2 * L[:, 0, 0] * L[:, 1, 1]))[:, None] + lxi[None]).ravel()
+        log_w = ((lw1 + np.log(2 * L[:, 0, 0] * L[:, 1, 1]))[:, None] + lxi[None]).ravel()
         log_w = np.where(inside, log_w - np.log(det), -np.inf)
-        nodes = np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None], np.repeat(inv, G, axis=1), S.T])
-        return np.ascontiguousarray(nodes), np.concatenate([[0], np.cumsum(per * G)])
+        return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
+                                                    np.repeat(inv, G, axis=1), S.T]))
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """The polar rule (``PolarRule._polar``); the preimage rule where it applies
