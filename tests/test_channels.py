@@ -749,6 +749,18 @@ def test_noisy_l2_preimage_rule_converges(q):
     dist = [ref.metric(m.g_out[i], m.dg_out[i], fine.g_out[i], fine.dg_out[i]) for i in range(good.sum())]
     assert max(dist) <= 1e-5, dist
 
+
+def test_noisy_l2_preimage_rule_without_skip():
+    """skip c = 0: Φ⁽¹⁾ = σ_β(h_1 h_1ᵀ) is singular on a line of h_1, where the preimage rule's
+    linearised prior is lost to rounding (it raised LinAlgError); those nodes weigh 0 and every
+    moment is finite."""
+    m2 = DeepAttention(layers=2, tokens=2, rank=1, skip=0.0, beta=1.0)
+    rng = np.random.default_rng(1)
+    omega = math.sqrt(0.5) * rng.standard_normal((16, 2, 2))
+    y = m2.forward(omega + math.sqrt(0.5) * rng.standard_normal((16, 2, 2)))
+    mo = m2.channel(noise=1e-12).moments(y, omega, 0.5 * np.eye(2))
+    assert np.isfinite(mo.g_out).all() and np.isfinite(mo.dg_out).all()
+
 # A draw of the test above (draw 0, Δ = 1e-2) with its noisy-route moments from the 4-D reference
 # (channel_reference.noisy_l2, n = 6: self-convergence 9e-4 in the metric), confirmed by
 # importance sampling from the prior (2e7 draws, effective sample size 7.5e5): the two agree to
