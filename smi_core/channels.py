@@ -675,7 +675,7 @@ class NoisyChannel(PolarRule, Channel):
         spec = getattr(model, "spec", None)
         attention = (spec is not None and spec.architecture == "tied" and spec.link == "softmax"
                      and spec.rank == 1 and model.tokens == 2 and model.layers in self.POLAR_SCALE)
-        self._preimage = attention and model.layers == 2 and self._delta < self.POLAR_MIN_NOISE[2]
+        self._preimage = attention and self._delta < self.POLAR_MIN_NOISE[model.layers]
         self._polar_applies = attention and (self._preimage or self._delta >= self.POLAR_MIN_NOISE[model.layers])
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
             self._u_model = _one_layer(model, self.threads)
@@ -766,28 +766,32 @@ class NoisyChannel(PolarRule, Channel):
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, or of the preimage rule: the rings of h_1 of every sample
-        (groups of one), their nodes with the (p, r) rules (``_preimage_nodes``) PREIMAGE["piece"]
+        (groups of one; with one layer, none), their nodes with the (p, r) rules (``_preimage_nodes``) PREIMAGE["piece"]
         at a time (bounded memory), each piece's moments merged by mass."""
         if not self._preimage:
             return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
-        n = len(omega)
-        total = np.full(n, -np.inf), np.zeros((n, 4)), np.zeros((n, 4, 4))
+        n, RT = len(omega), self.R * self.T
+        total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
         rule = xi, np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
         centre = np.stack(self._preimage_centre(u), axis=1)
         ustar, D, _ = self._preimage_u(*centre.T)
-        rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
-        owner = np.repeat(np.arange(n), rings.count.sum(axis=1))               # each x_1's sample
+        if self.model.layers == 2:
+            rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
+            x1, lw1, per = rings.x, rings.log_w, rings.count.sum(axis=1)
+        else:                                   # one layer (u_1 = h_1): one empty "x_1" per sample
+            x1, lw1, per = np.zeros((n, 0)), np.zeros(n), np.ones(n, dtype=np.int64)
+        owner = np.repeat(np.arange(n), per)                                   # each x_1's sample
         step = max(1, self.PREIMAGE["piece"] // len(xi))
         for a in range(0, len(owner), step):
             part = slice(a, a + step)
             i = owner[part]
-            nodes = self._preimage_nodes(rings.x[part], rings.log_w[part], omega[i], V[i], centre[i], ustar[i],
+            nodes = self._preimage_nodes(x1[part], lw1[part], omega[i], V[i], centre[i], ustar[i],
                                          np.linalg.inv(D)[i], rule)
             ids, first, count = np.unique(i, return_index=True, return_counts=True)
-            out = np.empty(len(ids)), np.empty((len(ids), 4)), np.empty((len(ids), 4, 4))
-            _quadrature.integrate_polar(u[ids], omega[ids].reshape(-1, 4), Vinv[ids], logdetV[ids],
+            out = np.empty(len(ids)), np.empty((len(ids), RT)), np.empty((len(ids), RT, RT))
+            _quadrature.integrate_polar(u[ids], omega[ids].reshape(-1, RT), Vinv[ids], logdetV[ids],
                                         np.arange(len(ids) + 1), first * len(xi), (first + count) * len(xi),
                                         nodes, *out, self.threads, self._delta)
             _merge(total, ids, out)
@@ -801,14 +805,19 @@ class NoisyChannel(PolarRule, Channel):
         δ = (p, r) − (p̄, r̄), B = ±F ∂u/∂(p, r); with the likelihood N(δ; 0, Δ/2 I) the
         posterior ≈ N(δ; μ, Σ), Σ⁻¹ = 2I/Δ + BᵀB/s², μ = −ΣBᵀ(h* − m)/s²; nodes δ = μ + √2 Lξ
         (LLᵀ = Σ) with log weights log(2 det L) + log w_ξ + |ξ|² − log|det ∂(p, r)/∂u| on top of
-        x_1's (nodes outside the triangle, or where Φ is singular, weigh 0)."""
+        x_1's (nodes outside the triangle, or where Φ is singular, weigh 0).  One layer: no x_1,
+        Φ = I and h_1 ~ N(ω_1, V_11 I)."""
         xi, lxi = rule
         G = len(xi)
-        inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
+        if x1.shape[1]:                         # two layers: Φ = Φ⁽¹⁾(x_1), h_2 | x_1
+            inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
+            m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
+            s2 = (V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0])[:, None]
+        else:                                   # one layer: Φ = I, h_1 ~ N(ω_1, V_11 I)
+            inv = np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x1)))
+            m, s2 = omega[:, 0], V[:, 0, 0][:, None]
         finite = np.isfinite(inv).all(axis=0)                                  # Φ singular: weight 0
         F = np.where(finite[:, None, None], inv[:4].T.reshape(-1, 2, 2), np.eye(2))     # Φ⁻¹
-        m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
-        s2 = (V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0])[:, None]
         h = np.einsum("kab,kb->ka", F, ustar)
         sign = np.where(((h - m) ** 2).sum(1) <= ((h + m) ** 2).sum(1), 1.0, -1.0)[:, None]
         B = sign[:, :, None] * np.einsum("kab,kbc->kac", F, Dinv)
