@@ -763,6 +763,18 @@ def test_noisy_l2_preimage_rule_without_skip():
     mo = m2.channel(noise=1e-12).moments(y, omega, 0.5 * np.eye(2))
     assert np.isfinite(mo.g_out).all() and np.isfinite(mo.dg_out).all()
 
+
+def test_noisy_l2_tiny_noise_at_the_softmax_edge():
+    """Δ = 1e-16 with y_21 = 3.2e-8 (the softmax edge, left to the Laplace rule): the curvature
+    along y_21 is ≈ 1e16 times the others and the rounded Laplace covariance was not positive
+    definite (LinAlgError from numpy); now its eigenvalues are floored and the moments finite."""
+    rng = np.random.default_rng(1)
+    omega = math.sqrt(0.5) * rng.standard_normal((48, 2, 2))
+    y = model(2).forward(omega + math.sqrt(0.5) * rng.standard_normal((48, 2, 2)))[:1]
+    assert 1e-8 < y[0, 1, 0] < 1e-7
+    mo = model(2).channel(noise=1e-16).moments(y, omega[:1], 0.5 * np.eye(2))
+    assert np.isfinite(mo.g_out).all() and np.isfinite(mo.dg_out).all()
+
 # A draw of the test above (draw 0, Δ = 1e-2) with its noisy-route moments from the 4-D reference
 # (channel_reference.noisy_l2, n = 6: self-convergence 9e-4 in the metric), confirmed by
 # importance sampling from the prior (2e7 draws, effective sample size 7.5e5): the two agree to
