@@ -100,7 +100,7 @@ def run(a, rng, route, L, T, noise, reference, settings):
         k = a.l3_reference_samples if four_d else a.reference_samples
         if a.self_reference and (L == 3 or preimage):
             fine = model.channel(noise=noise, threads=1, error_estimate=False,
-                                 nodes=2 * DEFAULT_NODES[2 * (L - 1) if L == 3 else 2]).moments(
+                                 nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]).moments(
                 y[:a.self_reference], omega[:a.self_reference], V)
             refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
         else:

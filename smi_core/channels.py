@@ -116,7 +116,7 @@ class Channel:
             u = self._prepare(y, omega, V)[0]
             log_z, mean, cov = self._points(u, omega, Vinv, logdetV)
             return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
-        weight = self._polar_weight(omega, V)
+        weight = self._polar_weight(omega, V, y)
         runs = []
         for idx, method in ((np.flatnonzero(weight < 1), self._laplace), (np.flatnonzero(weight > 0), self._polar)):
             out = np.zeros(n), np.zeros((n, RT)), np.zeros((n, RT, RT)), np.zeros(n)
@@ -134,7 +134,7 @@ class Channel:
         y = np.asarray(y, dtype=np.float64)
         return np.isfinite(y.reshape(len(y), -1)).all(axis=1)
 
-    def _polar_weight(self, omega, V):
+    def _polar_weight(self, omega, V, y=None):
         """Per sample, the weight of the polar rule (see ReparamChannel); 0 (the Laplace rule)
         by default."""
         return np.zeros(len(omega))
@@ -777,6 +777,7 @@ class NoisyChannel(PolarRule, Channel):
         rule = xi, np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
         centre = np.stack(self._preimage_centre(u), axis=1)
         ustar, D, _ = self._preimage_u(*centre.T)
+        Dinv = np.linalg.inv(D)                                                 # ∂u/∂(p, r) at u*
         if self.model.layers == 2:
             rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
             x1, lw1, per = rings.x, rings.log_w, rings.count.sum(axis=1)
@@ -787,8 +788,7 @@ class NoisyChannel(PolarRule, Channel):
         for a in range(0, len(owner), step):
             part = slice(a, a + step)
             i = owner[part]
-            nodes = self._preimage_nodes(x1[part], lw1[part], omega[i], V[i], centre[i], ustar[i],
-                                         np.linalg.inv(D)[i], rule)
+            nodes = self._preimage_nodes(x1[part], lw1[part], omega[i], V[i], centre[i], ustar[i], Dinv[i], rule)
             ids, first, count = np.unique(i, return_index=True, return_counts=True)
             out = np.empty(len(ids)), np.empty((len(ids), RT)), np.empty((len(ids), RT, RT))
             _quadrature.integrate_polar(u[ids], omega[ids].reshape(-1, RT), Vinv[ids], logdetV[ids],
@@ -842,19 +842,11 @@ class NoisyChannel(PolarRule, Channel):
         return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
                                                     np.repeat(inv, G, axis=1), S.T]))
 
-    def _polar(self, y, omega, V, Vinv, logdetV):
-        """The polar rule (``PolarRule._polar``); the preimage rule where it applies
-        (``_preimage_applies``), the Laplace rule for the other samples."""
-        if not self._preimage:
-            return super()._polar(y, omega, V, Vinv, logdetV)
-        good = self._preimage_applies(y)
-        out = np.zeros(len(y)), np.zeros(omega.shape[:1] + (self.R * self.T,)), \
-            np.zeros((len(y),) + (self.R * self.T,) * 2), np.zeros(len(y))
-        for idx, method in ((np.flatnonzero(good), super()._polar), (np.flatnonzero(~good), self._laplace)):
-            if idx.size:
-                for a, b in zip(out, method(y[idx], omega[idx], V[idx], Vinv[idx], logdetV[idx])):
-                    a[idx] = b
-        return out
+    def _polar_weight(self, omega, V, y=None):
+        """``PolarRule._polar_weight``; with the preimage rule, 0 also where it does not apply
+        (``_preimage_applies``: those samples take the Laplace rule)."""
+        weight = super()._polar_weight(omega, V)
+        return weight * self._preimage_applies(y) if self._preimage and y is not None else weight
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

@@ -68,10 +68,11 @@ def partition(centers, hess, logf, prior=None, inflate: float = 1.0, prune: floa
         logh = np.concatenate([logh, logh.max(axis=1, keepdims=True) - floor], axis=1)
     cov = np.linalg.inv(hess) * inflate ** 2
     cov = 0.5 * (cov + np.swapaxes(cov, -1, -2))
-    w, U = np.linalg.eigh(cov)
+    w = np.linalg.eigvalsh(cov)
     stiff = w[..., 0] <= 1e-15 * w[..., -1]         # a curvature ≳ 1e15× the others (e.g. Δ → 0 at the
     if stiff.any():                                 # softmax edge): its rounding leaves cov not PD
+        w, U = np.linalg.eigh(cov[stiff])
         w = np.maximum(w, 1e-15 * w[..., -1:])
-        cov[stiff] = np.einsum("...ij,...j,...kj->...ik", U[stiff], w[stiff], U[stiff])
+        cov[stiff] = np.einsum("...ij,...j,...kj->...ik", U, w, U)
     A = np.linalg.cholesky(cov)
     return centers, hess, A, logh
