@@ -14,7 +14,7 @@ import sympy as sp
 
 from .attention import AttentionSpec, forward_program, mixing_program
 from .program import Program, jacobian
-from .reparam import channel_node_program, reparam_program
+from .reparam import channel_node_program, chart_program, reparam_program
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def _with_jacobian(spec):
 def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[str, KernelSpec]:
     """Kernels of a deep-attention model: ``forward`` (y), ``jacobian`` (y and ∂y/∂Z, when the
     link is differentiable), ``mixing`` (Φ⁽ᴸ⁻¹⁾, log|det Φ⁽ᴸ⁻¹⁾|, L ≥ 2) and ``reparam``
-    (tied softmax r = 1), and for the route-1 channel ``node`` ([h_L; log|det Φ|] from
+    (tied softmax r = 1; with L = 1, T = 2 also ``chart``, derive.reparam.chart_program), and for the route-1 channel ``node`` ([h_L; log|det Φ|] from
     (u_L, h_{<L})) and ``node_jacobian`` (its Jacobian in h_{<L}), L ≥ 2."""
     module = module or f"attention_L{spec.layers}"
     kernels = {"forward": KernelSpec(spec.key + "_forward", module, lambda: forward_program(spec))}
@@ -46,6 +46,8 @@ def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[st
     if spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1:
         channel = "reparam" if module.startswith("attention_L") else module
         kernels["reparam"] = KernelSpec(spec.key + "_reparam", channel, lambda: reparam_program(spec))
+        if spec.layers == 1 and spec.tokens == 2:
+            kernels["chart"] = KernelSpec(spec.key + "_chart", channel, lambda: chart_program(spec))
         if spec.layers >= 2:
             node = lambda: channel_node_program(spec)
             kernels["node"] = KernelSpec(spec.key + "_node", channel, node)

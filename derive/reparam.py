@@ -19,6 +19,7 @@ from itertools import combinations
 import sympy as sp
 
 from .attention import BETA, AttentionSpec, index_symbols, log_abs_det, mixing_layers, solve
+from .links import softmax
 from .program import Program
 
 
@@ -101,4 +102,31 @@ def channel_node_program(spec: AttentionSpec) -> Program:
                    source="derive.reparam.channel_node_program")
     h, logdet = last_layer_index(prog, spec, hprev, u)
     prog.outputs["hl"] = sp.Matrix(list(h) + [logdet])
+    return prog
+
+
+def chart_program(spec: AttentionSpec) -> Program:
+    """T = 2, the last softmax σ_β(u uᵀ) in the chart x = (D, ℓ) with D = u_1 - u_2 > 0 and ℓ =
+    ℓ_21 = log(y_21/y_22)/β: then ℓ_12 = -D² - ℓ (``_pair_solution``'s d_12 = D²), u = (D² + ℓ,
+    ℓ)/D (the other pre-image, D < 0, is -u), and y = σ_β of the rows' log-ratios.  The fold
+    p + r = 1 of the off-diagonal entries p = y_12, r = y_21 is D → 0, the softmax edge p → 0 is
+    D → ∞ and r → 0, 1 is ℓ → ∓∞.  Outputs ``u``, ``y`` (2×2), ``logdet`` = log|det ∂u/∂(D, ℓ)|
+    and ``poly``: D·u = Σ_k poly[:, k] D^k (k = 0, 1, 2: the curve of constant ℓ meets a
+    Gaussian's ellipse where a quartic in D vanishes)."""
+    _check_reparametrisable(spec)
+    if spec.tokens != 2:
+        raise ValueError("the chart needs tokens=2")
+    D = sp.Symbol("x_0_0", positive=True)
+    ell = sp.Symbol("x_0_1", real=True)
+    prog = Program(spec.key + "_chart", {"x": sp.Matrix([[D, ell]])}, spec.params(),
+                   source="derive.reparam.chart_program")
+    ratios = sp.Matrix([[0, -D ** 2 - ell], [ell, 0]])
+    u = _pair_solution(ratios, 0, 1, 2, prog)
+    prog.outputs["u"] = sp.Matrix(u)
+    prog.outputs["y"] = softmax(prog, ratios, BETA).reshape(1, 4)
+    inline = sp.Matrix(u).subs(list(reversed(prog.body)))
+    det = sp.simplify(inline.jacobian([D, ell]).det())
+    prog.outputs["logdet"] = sp.Matrix([[prog.assign("ld", sp.log(sp.Abs(det)))]])
+    prog.outputs["poly"] = sp.Matrix([sp.Poly(sp.expand(D * e), D).all_coeffs()[::-1] + [0] * (2 - sp.degree(sp.expand(D * e), D))
+                                      for e in inline])
     return prog

@@ -45,7 +45,7 @@ from itertools import product
 
 import numpy as np
 
-from . import _quadrature, validate
+from . import _quadrature, chart, validate
 from .kernels import first_bad_row
 from .polar import PolarRule, _merge
 from .quadrature import gauss_hermite, partition, sobol_normal
@@ -683,6 +683,8 @@ class NoisyChannel(PolarRule, Channel):
             self._u_reparam = self._u_model.kernel("reparam")
             if model.layers == 2:
                 self._mixing_kernel = model.kernel("mixing")
+            if self._preimage:
+                self._chart_kernels = self._u_model.kernel("chart"), self._u_model.forward
 
     # -- T = 2 attention, L ≤ 2: the polar rule in (h_{<L}, u_L) --------------------------------
     @property
@@ -772,6 +774,34 @@ class NoisyChannel(PolarRule, Channel):
             return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
         n, RT = len(omega), self.R * self.T
         total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
+        near = np.flatnonzero(~self._preimage_applies(u))
+        if near.size:
+            _merge(total, near, self._chart_run(u[near], omega[near], Vinv[near], logdetV[near], scale))
+        far = np.flatnonzero(self._preimage_applies(u))
+        if far.size:
+            _merge(total, far, self._preimage_run(u[far], omega[far], V[far], Vinv[far], logdetV[far], scale))
+        return total
+
+    def _chart_run(self, y, omega, Vinv, logdetV, scale):
+        """The chart rule (smi_core.chart) for one layer, rows = samples (u_1 = h_1, F = I), with
+        the tokens swapped where only p's window is inside (0, 1) (``chart.swapped``)."""
+        n = len(y)
+        swap = chart.swapped(y, self._delta)
+        perm = np.arange(2 * self.R).reshape(self.R, 2)[:, ::-1].ravel()      # index a*T + t, t ↔ 1 - t
+        y = np.where(swap[:, None], y[:, [3, 2, 1, 0]], y)
+        omega = np.where(swap[:, None, None], omega[:, :, ::-1], omega)
+        rows = (np.arange(n), np.zeros((n, 0)), np.zeros(n), np.tile(np.eye(2), (n, 1, 1)), omega[:, 0],
+                np.sqrt(1.0 / Vinv[:, 0, 0]))
+        log_z, mean, second = chart.integrate(y, omega, Vinv, logdetV, self._delta, rows, self._chart_kernels,
+                                              self.model.params, self.model.beta, chart.scaled(scale))
+        mean = np.where(swap[:, None], mean[:, perm], mean)
+        second = np.where(swap[:, None, None], second[:, perm][:, :, perm], second)
+        return log_z, mean, second
+
+    def _preimage_run(self, u, omega, V, Vinv, logdetV, scale):
+        """The preimage rule (see PREIMAGE) for samples where it applies."""
+        n, RT = len(omega), self.R * self.T
+        total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
         rule = xi, np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
@@ -846,7 +876,9 @@ class NoisyChannel(PolarRule, Channel):
         """``PolarRule._polar_weight``; with the preimage rule, 0 also where it does not apply
         (``_preimage_applies``: those samples take the Laplace rule)."""
         weight = super()._polar_weight(omega, V)
-        return weight * self._preimage_applies(y) if self._preimage and y is not None else weight
+        if self._preimage and y is not None and self.model.layers == 2:
+            weight = weight * self._preimage_applies(y)
+        return weight
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

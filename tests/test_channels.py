@@ -737,6 +737,28 @@ def test_noisy_preimage_rule_tends_to_reparam_route(layers, noise):
     assert dist[good].max() <= 1e-5, dist
 
 
+# SE draws (64, seed 5, Δ = 1e-5) whose likelihood window reaches the triangle's edges, by kind:
+# the fold p + r → 1 near r = 1/2 (0, 31, 3, 40) and away from it (26, 57 beyond it; 17), the
+# softmax edge r → 0 (6, 20: the tokens are swapped) and p → 0 (23, 46), both (20 at q = 0, 60)
+CHART_DRAWS = {0.0: (20, 23, 46), 0.5: (0, 6, 20, 26, 31, 57), 0.9: (3, 17, 40, 60)}
+
+
+@pytest.mark.parametrize("q", sorted(CHART_DRAWS))
+def test_noisy_l1_chart_rule(q):
+    """One layer, Δ = 1e-5 < POLAR_MIN_NOISE[1], samples the preimage rule leaves (window within
+    PREIMAGE["margin"] sd of the triangle's edges): the chart rule (smi_core.chart) against the
+    mpmath reference to RTOL, log Z_out too.  On all 47 such draws at q = 0, 0.5, 0.9 the
+    Laplace rule these samples took before was 1.6e-6 … 12 off (median 6.6e-2); the chart rule
+    (default nodes) is within 9.4e-8 (median 3.3e-10)."""
+    y, omega, V = se_batch(1, 64, q * np.eye(1), np.random.default_rng(5), noise=1e-5)
+    ch = channel(1, noise=1e-5)
+    for i in CHART_DRAWS[q]:
+        assert not _preimage_samples(ch, y[i:i + 1], V)[0]
+        d = Draw(y[i], omega[i], V, "chart", q, 1e-5)
+        compare("noisy L=1 chart", ch, d, ref.noisy_l1(d.y, d.omega, d.V, 1.0, 1e-5, mp_pass=False),
+                RTOL, REF_TOL, log_z=True)
+
+
 @pytest.mark.parametrize("q", [0.0, 0.9])
 def test_noisy_l2_preimage_rule_converges(q):
     """Δ = 1e-5 (the preimage rule where it applies, else the Laplace rule): on the preimage
