@@ -608,6 +608,107 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                           &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
+cdef void _product_sample(const double* rows, Py_ssize_t j0, Py_ssize_t j1, int width, const double* ucol,
+                          Py_ssize_t stride, Py_ssize_t k0, Py_ssize_t k1, const double* omega, int RT,
+                          double* log_z, double* mean, double* second) noexcept nogil:
+    """One sample of ``integrate_product``: per row, the log weights of its terms (pass 1, with
+    their maximum) and the sums Σ w, Σ w u, Σ w u uᵀ (pass 2, vectorised), then the row's
+    moments of Z = [x; F u] from them into the running sums (``_add_sums``)."""
+    cdef Acc acc
+    cdef double top = -INFINITY, mx, e0, e1, w, s0, su0, su1, s00, s01, s11
+    cdef double part[15]
+    cdef double Z[4]
+    cdef double mu[2]
+    cdef double S[4]
+    cdef const double* row
+    cdef const double* u0 = ucol + k0
+    cdef const double* u1 = ucol + stride + k0
+    cdef const double* lw = ucol + 2 * stride + k0
+    cdef Py_ssize_t j, k, K = k1 - k0
+    cdef int a, b, p, m = width - 8
+    cdef double* buf = <double*> malloc(max(K, 1) * sizeof(double))
+    _acc_init(&acc, RT)
+    for k in range(K):
+        top = max(top, lw[k])
+    for j in range(j0, j1):
+        row = rows + j * width
+        if row[m] + top < acc.mx - SMI_SKIP:     # the row's terms all below e^-SMI_SKIP of the sums
+            continue
+        mx = -INFINITY
+        for k in range(K):
+            e0 = row[m + 1] * u0[k] + row[m + 2] * u1[k] - row[m + 5]
+            e1 = row[m + 3] * u0[k] + row[m + 4] * u1[k] - row[m + 6]
+            buf[k] = lw[k] - 0.5 * row[m + 7] * (e0 * e0 + e1 * e1)
+            mx = max(mx, buf[k])
+        if mx == -INFINITY:
+            continue
+        s0 = su0 = su1 = s00 = s01 = s11 = 0.0
+        for k in range(K):
+            w = smi_exp_neg(buf[k] - mx)
+            s0 += w
+            su0 += w * u0[k]
+            su1 += w * u1[k]
+            s00 += w * u0[k] * u0[k]
+            s01 += w * u0[k] * u1[k]
+            s11 += w * u1[k] * u1[k]
+        # moments of Z - ω about 0 (relative to e^mx): Z = [x; F u], F u's sums F(Σ w u), F(Σ w uuᵀ)Fᵀ
+        for a in range(m):
+            Z[a] = row[a] - omega[a]
+        mu[0] = row[m + 1] * su0 + row[m + 2] * su1 - omega[m] * s0
+        mu[1] = row[m + 3] * su0 + row[m + 4] * su1 - omega[m + 1] * s0
+        S[0] = row[m + 1] * (row[m + 1] * s00 + row[m + 2] * s01) + row[m + 2] * (row[m + 1] * s01 + row[m + 2] * s11)
+        S[1] = row[m + 1] * (row[m + 3] * s00 + row[m + 4] * s01) + row[m + 2] * (row[m + 3] * s01 + row[m + 4] * s11)
+        S[3] = row[m + 3] * (row[m + 3] * s00 + row[m + 4] * s01) + row[m + 4] * (row[m + 3] * s01 + row[m + 4] * s11)
+        # (F u - ω_L)(F u - ω_L)ᵀ = F u uᵀ Fᵀ - ω_L (F u)ᵀ - (F u) ω_Lᵀ + ω_L ω_Lᵀ, summed with w
+        e0 = row[m + 1] * su0 + row[m + 2] * su1
+        e1 = row[m + 3] * su0 + row[m + 4] * su1
+        S[0] += -2 * omega[m] * e0 + omega[m] * omega[m] * s0
+        S[1] += -omega[m] * e1 - omega[m + 1] * e0 + omega[m] * omega[m + 1] * s0
+        S[3] += -2 * omega[m + 1] * e1 + omega[m + 1] * omega[m + 1] * s0
+        S[2] = S[1]
+        part[0] = s0
+        for a in range(m):
+            part[1 + a] = Z[a] * s0
+        part[1 + m], part[2 + m] = mu[0], mu[1]
+        p = 1 + RT
+        for a in range(RT):
+            for b in range(a, RT):
+                if b < m:
+                    part[p] = Z[a] * Z[b] * s0
+                elif a < m:
+                    part[p] = Z[a] * mu[b - m]
+                else:
+                    part[p] = S[2 * (a - m) + (b - m)]
+                p += 1
+        _add_sums(&acc, row[m] + mx, part)
+    free(buf)
+    _acc_finish(&acc, log_z, mean, second)
+
+
+def integrate_product(const double[:, ::1] rows, const long[::1] row_ptr, const double[:, ::1] unodes,
+                      const long[::1] u_ptr, const double[:, ::1] omega, double[::1] log_z,
+                      double[:, ::1] mean, double[:, :, ::1] second, int threads=0):
+    """The chart rule's product (smi_core.chart): sample i sums over its rows j (row_ptr[i] ≤ j <
+    row_ptr[i+1]: [x_{<L} (2(L-1)), log weight c_j, F (2×2, row-major), m (2), 1/s²]) and its u
+    nodes k (u_ptr[i] ≤ k < u_ptr[i+1]; ``unodes`` by columns: rows u_1, u_2, log weight w_k) the
+    terms exp(c_j + w_k - |F u - m|²/(2s²)) at Z = [x_{<L}; F u] (T = 2, L = 1 or 2; no
+    reflections: the nodes cover the whole space).  Rows whose c_j + max_k w_k is below
+    e^-SMI_SKIP of the sums so far are skipped (rows in decreasing c_j skip the most).  Moments
+    about ω, as ``integrate_polar``."""
+    cdef Py_ssize_t n = omega.shape[0], i
+    cdef int width = rows.shape[1], RT = omega.shape[1]
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    if not (RT in (2, 4) and width == RT + 6 and unodes.shape[0] == 3 and row_ptr.shape[0] == n + 1
+            and u_ptr.shape[0] == n + 1 and rows.shape[0] > 0 and unodes.shape[1] > 0):
+        raise ValueError("integrate_product needs L = 1 or 2, rows of 2L + 6 values, u nodes as 3 rows "
+                         "and row_ptr, u_ptr of n + 1 offsets")
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _product_sample(&rows[0, 0], row_ptr[i], row_ptr[i + 1], width, &unodes[0, 0], unodes.shape[1],
+                            u_ptr[i], u_ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0], &second[i, 0, 0])
+
+
 def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long R2,
                   const double[:, ::1] x1, const double[::1] lw1, const long[::1] start1,
                   const long[::1] count1, const double[:, ::1] x2, const double[::1] lw2,

@@ -116,7 +116,7 @@ class Channel:
             u = self._prepare(y, omega, V)[0]
             log_z, mean, cov = self._points(u, omega, Vinv, logdetV)
             return self._assemble(omega, V, Vinv, log_z, mean, cov, np.zeros(n))
-        weight = self._polar_weight(omega, V, y)
+        weight = self._polar_weight(omega, V)
         runs = []
         for idx, method in ((np.flatnonzero(weight < 1), self._laplace), (np.flatnonzero(weight > 0), self._polar)):
             out = np.zeros(n), np.zeros((n, RT)), np.zeros((n, RT, RT)), np.zeros(n)
@@ -134,7 +134,7 @@ class Channel:
         y = np.asarray(y, dtype=np.float64)
         return np.isfinite(y.reshape(len(y), -1)).all(axis=1)
 
-    def _polar_weight(self, omega, V, y=None):
+    def _polar_weight(self, omega, V):
         """Per sample, the weight of the polar rule (see ReparamChannel); 0 (the Laplace rule)
         by default."""
         return np.zeros(len(omega))
@@ -776,24 +776,50 @@ class NoisyChannel(PolarRule, Channel):
         total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
         near = np.flatnonzero(~self._preimage_applies(u))
         if near.size:
-            _merge(total, near, self._chart_run(u[near], omega[near], Vinv[near], logdetV[near], scale))
+            _merge(total, near, self._chart_run(u[near], omega[near], V[near], scale))
         far = np.flatnonzero(self._preimage_applies(u))
         if far.size:
             _merge(total, far, self._preimage_run(u[far], omega[far], V[far], Vinv[far], logdetV[far], scale))
         return total
 
-    def _chart_run(self, y, omega, Vinv, logdetV, scale):
-        """The chart rule (smi_core.chart) for one layer, rows = samples (u_1 = h_1, F = I), with
-        the tokens swapped where only p's window is inside (0, 1) (``chart.swapped``)."""
-        n = len(y)
+    def _ring_rows(self, omega, V, scale, reflect=False):
+        """The nodes x_1 of h_1's rings (the reparametrised route's) of every sample, with their
+        sample and log weights (one layer: one empty x_1 per sample); ``reflect``: also -x_1
+        (the rings cover a half plane)."""
+        n = len(omega)
+        if self.model.layers == 1:
+            return np.arange(n), np.zeros((n, 0)), np.zeros(n)
+        rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
+        owner = np.repeat(np.arange(n), rings.count.sum(axis=1))
+        if reflect:
+            order = np.argsort(np.tile(owner, 2), kind="stable")          # by sample
+            return np.tile(owner, 2)[order], np.concatenate([rings.x, -rings.x])[order], np.tile(rings.log_w, 2)[order]
+        return owner, rings.x, rings.log_w
+
+    def _chart_run(self, y, omega, V, scale):
+        """The chart rule (smi_core.chart) with the tokens swapped where only p's window is
+        inside (0, 1) (``chart.swapped``).  Rows: one layer, the samples (u_1 = h_1, F = I);
+        two layers, the nodes ±x_1 of h_1's rings with F = Φ⁽¹⁾(x_1)⁻¹ and h_2's prior given
+        x_1 (rows where Φ⁽¹⁾ is singular are left out)."""
         swap = chart.swapped(y, self._delta)
         perm = np.arange(2 * self.R).reshape(self.R, 2)[:, ::-1].ravel()      # index a*T + t, t ↔ 1 - t
         y = np.where(swap[:, None], y[:, [3, 2, 1, 0]], y)
         omega = np.where(swap[:, None, None], omega[:, :, ::-1], omega)
-        rows = (np.arange(n), np.zeros((n, 0)), np.zeros(n), np.tile(np.eye(2), (n, 1, 1)), omega[:, 0],
-                np.sqrt(1.0 / Vinv[:, 0, 0]))
-        log_z, mean, second = chart.integrate(y, omega, Vinv, logdetV, self._delta, rows, self._chart_kernels,
-                                              self.model.params, self.model.beta, chart.scaled(scale))
+        owner, x1, lw1 = self._ring_rows(omega, V, scale, reflect=True)
+        L = self.model.layers
+        if L == 1:
+            F, m, s2 = np.tile(np.eye(2), (len(owner), 1, 1)), omega[:, 0], V[:, 0, 0]
+        else:
+            inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
+            keep = np.isfinite(inv).all(axis=0)
+            owner, x1, lw1, inv = owner[keep], x1[keep], lw1[keep], inv[:, keep]
+            F = inv[:4].T.reshape(-1, 2, 2)
+            i = owner
+            m = omega[i, 1] + (V[i, 1, 0] / V[i, 0, 0])[:, None] * (x1 - omega[i, 0])
+            s2 = V[i, 1, 1] - V[i, 1, 0] ** 2 / V[i, 0, 0]
+        rows = owner, x1, lw1, F, m, np.sqrt(s2)
+        log_z, mean, second = chart.integrate(y, omega, V, self._delta, rows, self._chart_kernels,
+                                              self.model.params, self.model.beta, self.threads, chart.scaled(scale))
         mean = np.where(swap[:, None], mean[:, perm], mean)
         second = np.where(swap[:, None, None], second[:, perm][:, :, perm], second)
         return log_z, mean, second
@@ -808,12 +834,7 @@ class NoisyChannel(PolarRule, Channel):
         centre = np.stack(self._preimage_centre(u), axis=1)
         ustar, D, _ = self._preimage_u(*centre.T)
         Dinv = np.linalg.inv(D)                                                 # ∂u/∂(p, r) at u*
-        if self.model.layers == 2:
-            rings = self._polar_rings(np.arange(n), np.linalg.norm(omega[:, 0], axis=1), V[:, 0, 0], scale, 1.0)
-            x1, lw1, per = rings.x, rings.log_w, rings.count.sum(axis=1)
-        else:                                   # one layer (u_1 = h_1): one empty "x_1" per sample
-            x1, lw1, per = np.zeros((n, 0)), np.zeros(n), np.ones(n, dtype=np.int64)
-        owner = np.repeat(np.arange(n), per)                                   # each x_1's sample
+        owner, x1, lw1 = self._ring_rows(omega, V, scale)
         step = max(1, self.PREIMAGE["piece"] // len(xi))
         for a in range(0, len(owner), step):
             part = slice(a, a + step)
@@ -871,14 +892,6 @@ class NoisyChannel(PolarRule, Channel):
         log_w = np.where(inside, log_w - np.log(det), -np.inf)
         return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
                                                     np.repeat(inv, G, axis=1), S.T]))
-
-    def _polar_weight(self, omega, V, y=None):
-        """``PolarRule._polar_weight``; with the preimage rule, 0 also where it does not apply
-        (``_preimage_applies``: those samples take the Laplace rule)."""
-        weight = super()._polar_weight(omega, V)
-        if self._preimage and y is not None and self.model.layers == 2:
-            weight = weight * self._preimage_applies(y)
-        return weight
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

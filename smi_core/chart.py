@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .polar import _merge
+from . import _quadrature
 
 RULE = dict(reach=9.0, window=7.0, legendre=32, hermite=16, angles=128)
 
@@ -69,7 +69,8 @@ def ell_rule(rbar, sd, lo, hi, beta, rule=RULE):
       u_1 = u_2 and ∫ dD/|D| grows like log(1/|ℓ|), so each side [0, b] of ℓ = 0 takes [b/e², b]
       in ℓ and [b e^-40, b/e²] in log|ℓ|;
     - otherwise in r on [max(r_lo, r_hi/20), min(r_hi, 1 - (1 - r_lo)/20)], and beyond, towards
-      r = 0 or 1 (ℓ → ∓∞, where the prior decides), in ℓ."""
+      r = 0 or 1 (ℓ → ∓∞, where the prior decides), in τ = √|ℓ - ℓ_end| (ℓ is quadratic in u,
+      so the prior is ≈ Gaussian in τ)."""
     n, k = len(rbar), rule["window"]
     r_lo, r_hi = rbar - k * sd, rbar + k * sd
     wl_lo, wl_hi = _logit(r_lo, beta), _logit(r_hi, beta)
@@ -79,23 +80,26 @@ def ell_rule(rbar, sd, lo, hi, beta, rule=RULE):
     r1 = np.maximum(r_lo, r_hi / 20)
     r2 = np.minimum(r_hi, 1 - (1 - r_lo) / 20)
     with np.errstate(divide="ignore", invalid="ignore"):
-        edge = [np.stack([a, np.minimum(b, _logit(r1, beta))], -1),
-                np.stack([np.maximum(a, _logit(r1, beta)), np.minimum(b, _logit(r2, beta))], -1),
-                np.stack([np.maximum(a, _logit(r2, beta)), b], -1),
+        cut0, cut2 = np.minimum(b, _logit(r1, beta)), np.maximum(a, _logit(r2, beta))
+        edge = [np.stack([0 * a, np.sqrt(cut0 - a)], -1),
+                _sigmoid(np.stack([np.maximum(a, _logit(r1, beta)), np.minimum(b, _logit(r2, beta))], -1), beta),
+                np.stack([0 * a, np.sqrt(b - cut2)], -1),
                 np.full((n, 2), np.nan)]
-        edge[1] = _sigmoid(edge[1], beta)
         centre = [np.stack([b / np.e ** 2, b], -1), np.stack([np.log(b) - 40, np.log(b) - 2], -1),
                   np.stack([a, a / np.e ** 2], -1), np.stack([np.log(-a) - 40, np.log(-a) - 2], -1)]
     spans = np.where(cross[:, None, None], np.stack(centre, 1), np.stack(edge, 1))
-    kinds = np.where(cross[:, None], [0, 1, 0, 1], [0, 2, 0, 0])
-    side = np.where(cross[:, None], [1.0, 1.0, -1.0, -1.0], 1.0)
+    kinds = np.where(cross[:, None], [0, 1, 0, 1], [3, 2, 3, 0])
+    side = np.where(cross[:, None], [1.0, 1.0, -1.0, -1.0], [-1.0, 1.0, 1.0, 1.0])
+    base = np.stack([cut0, 0 * a, cut2, 0 * a], 1)[..., None]
     t, w = np.polynomial.legendre.leggauss(rule.get("outer", rule["legendre"]))
     with np.errstate(divide="ignore", invalid="ignore"):
         v = 0.5 * spans.sum(-1)[..., None] + 0.5 * (spans[..., 1] - spans[..., 0])[..., None] * t
         lw = np.log(0.5 * (spans[..., 1] - spans[..., 0]))[..., None] + np.log(w)
         kind = kinds[..., None]
-        ell = np.where(kind == 1, side[..., None] * np.exp(v), np.where(kind == 2, _logit(v, beta), v))
-        lw = np.where(kind == 1, lw + v, np.where(kind == 2, lw - np.log(beta * v * (1 - v)), lw))
+        ell = np.select([kind == 1, kind == 2, kind == 3],
+                        [side[..., None] * np.exp(v), _logit(v, beta), base + side[..., None] * v ** 2], v)
+        lw = np.select([kind == 1, kind == 2, kind == 3],
+                       [lw + v, lw - np.log(beta * v * (1 - v)), lw + np.log(2 * v)], lw)
     ell, lw = ell.reshape(n, -1), lw.reshape(n, -1)
     hermite = (r_lo > 0) & (r_hi < 1) & (lo <= wl_lo) & (hi >= wl_hi) & ~cross
     th, wh = np.polynomial.hermite.hermgauss(rule["hermite"])
@@ -243,58 +247,59 @@ def scaled(scale, rule=RULE):
                 hermite=max(4, int(round(rule["hermite"] * scale))))
 
 
-def _scatter_moments(owner, log_f, Z, n):
-    """(log Z, E[Z], E[Z Zᵀ]) per owner 0 … n-1 of the nodes (log f, Z) (owners without nodes:
-    -inf, 0, 0)."""
-    top = np.full(n, -np.inf)
-    np.maximum.at(top, owner, log_f)
-    w = np.exp(log_f - top[owner])
-    mass = np.bincount(owner, w, minlength=n)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.stack([np.bincount(owner, w * z, minlength=n) for z in Z.T], 1) / mass[:, None]
-        second = np.einsum("k,ka,kb->kab", w, Z, Z)
-        second = np.stack([np.bincount(owner, x, minlength=n) for x in second.reshape(len(w), -1).T], 1)
-        second = second.reshape(n, Z.shape[1], Z.shape[1]) / mass[:, None, None]
-        log_z = top + np.log(mass)
-    ok = mass > 0
-    return np.where(ok, log_z, -np.inf), np.where(ok[:, None], mean, 0.0), np.where(ok[:, None, None], second, 0.0)
+def envelope(owner, F, m, s, n, rule=RULE):
+    """One ellipse per sample containing the prior ellipses |F u - m| ≤ reach·s of all its rows
+    (``owner`` sorted), as (F_e, m_e, s_e): 16 boundary points of every row's ellipse, their mean
+    μ and covariance C, F_e = C^-½, m_e = F_e μ and reach·s_e the largest |F_e (point - μ)|
+    (× 1.02: |point|² is a trigonometric polynomial of degree 2 along each boundary)."""
+    theta = np.linspace(0, 2 * np.pi, 16, endpoint=False)
+    circle = np.stack([np.cos(theta), np.sin(theta)], axis=1)
+    pts = np.einsum("kab,kgb->kga", np.linalg.inv(F), m[:, None] + rule["reach"] * s[:, None, None] * circle)
+    start = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=n))])[:-1] * len(theta)
+    pts = pts.reshape(-1, 2)
+    count = np.bincount(owner, minlength=n) * len(theta)
+    mu = np.add.reduceat(pts, start, axis=0) / count[:, None]
+    d = pts - np.repeat(mu, count, axis=0)
+    C = np.add.reduceat(d[:, :, None] * d[:, None, :], start, axis=0) / count[:, None, None]
+    w, U = np.linalg.eigh(C)
+    Fe = np.einsum("kab,kb,kcb->kac", U, 1 / np.sqrt(np.maximum(w, 1e-300)), U)
+    r = np.maximum.reduceat(np.linalg.norm(np.einsum("kab,kb->ka", np.repeat(Fe, count, axis=0), d), axis=1), start)
+    return Fe, np.einsum("kab,kb->ka", Fe, mu), 1.02 * r / rule["reach"]
 
 
-def integrate(y, omega, Vinv, logdetV, delta, rows, kernels, params, beta, rule=RULE, piece=1 << 20):
+def integrate(y, omega, V, delta, rows, kernels, params, beta, threads=0, rule=RULE):
     """Moments about ω (log Z, E[Z - ω], E[(Z - ω)(Z - ω)ᵀ]) of every sample by the chart rule.
-    ``rows`` = (owner sample, x_{<L} (rows × 2(L-1)), their log weights, F, m, s): one row per
-    node of the earlier layers (one layer: one row per sample, F = I), each with the prior
-    N(F u; m, s² I) of u_L given x_{<L}; h_L = F u_L.  ``kernels`` = (chart, forward) of the
-    one-layer model.  The integrand is N(Z; ω, V ⊗ I_2) N(y; σ, Δ I) over Z = (x_{<L}, h_L),
-    unfolded (each row's nodes cover u_L's whole plane); nodes ``piece`` at a time."""
+    ``rows`` = (owner sample (sorted), x_{<L} (rows × 2(L-1)), their log weights, F, m, s): one
+    row per node of the earlier layers (one layer: one row per sample, F = I), each with the
+    prior N(F u; m, s² I) of u_L given x_{<L}; h_L = F u_L.  The nodes of u_L are shared by a
+    sample's rows, placed on the ``envelope`` of their priors.  ``kernels`` = (chart, forward) of
+    the one-layer model.  The integrand is N(Z; ω, V ⊗ I_2) N(y; σ, Δ I) over Z = (x_{<L}, h_L),
+    unfolded (rows and u nodes cover the whole space; ``_quadrature.integrate_product``)."""
     owner, x1, lw1, F, m, s = rows
     chart, forward = kernels
     n, RT = len(omega), omega.shape[1] * omega.shape[2]
-    total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
     pbar, rbar, sd = window(y, delta)
-    Finv = np.linalg.inv(F)
-    lo, hi = prior_ell_range(forward, m, s, Finv, beta, rule)
-    row, ell, lw_ell = ell_rule(rbar[owner], sd, lo, hi, beta, rule)
-    logdetF = np.log(np.abs(np.linalg.det(F)))
-    const = -(RT / 2) * np.log(2 * np.pi) - logdetV - 2 * np.log(2 * np.pi * delta)
-    per = 12 * rule["legendre"]                                 # inner slots per ℓ node
-    step = max(1, piece // per)
-    for a in range(0, len(ell), step):
-        part = slice(a, a + step)
-        r = row[part]
-        u, sig, lw = nodes(chart, params, r, ell[part], lw_ell[part], pbar[owner], sd, F, m, s, beta, rule)
-        keep = np.isfinite(lw)
-        k, g = np.nonzero(keep)
-        rk = r[k]
-        i = owner[rk]
-        h = np.einsum("kab,kb->ka", F[rk], u[k, g])
-        Z = np.concatenate([x1[rk], h], axis=1) - omega[i].reshape(len(i), -1)
-        Zt = Z.reshape(len(i), -1, 2)                            # (layers, tokens)
-        quad = np.einsum("kat,kab,kbt->k", Zt, Vinv[i], Zt)
-        log_f = lw[k, g] + lw1[rk] + logdetF[rk] + const[i] - 0.5 * quad \
-            - 0.5 * ((y[i] - sig[k, g]) ** 2).sum(1) / delta
-        ids = np.unique(i)
-        local = np.searchsorted(ids, i)
-        _merge(total, ids, _scatter_moments(local, log_f, Z, len(ids)))
-    return total
-
+    Fe, me, se = envelope(owner, F, m, s, n, rule)
+    lo, hi = prior_ell_range(forward, me, se, np.linalg.inv(Fe), beta, rule)
+    sample, ell, lw_ell = ell_rule(rbar, sd, lo, hi, beta, rule)
+    u, sig, lw = nodes(chart, params, sample, ell, lw_ell, pbar, sd, Fe, me, se, beta, rule)
+    lw = lw - 0.5 * ((y[sample][:, None] - sig) ** 2).sum(-1) / delta - 2 * np.log(2 * np.pi * delta)
+    k, g = np.nonzero(np.isfinite(lw))
+    n_u = np.bincount(sample[k], minlength=n)
+    out = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
+    if not k.size:
+        return out
+    unodes = np.ascontiguousarray(np.stack([u[k, g, 0], u[k, g, 1], lw[k, g]]))
+    # rows: the prior of Z = (x_{<L}, h_L) as N(x_{<L}; ω_{<L}, V_{<L} ⊗ I) N(h_L; m, s² I)
+    i = owner
+    if x1.shape[1]:
+        c = -np.log(2 * np.pi * V[i, 0, 0]) - 0.5 * ((x1 - omega[i, 0]) ** 2).sum(1) / V[i, 0, 0]
+    else:
+        c = np.zeros(len(i))
+    c = c + lw1 + np.log(np.abs(np.linalg.det(F))) - np.log(2 * np.pi * s ** 2)
+    table = np.concatenate([x1, c[:, None], F.reshape(-1, 4), m, 1 / s[:, None] ** 2], axis=1)
+    order = np.lexsort((-c, i))                                   # by sample, heaviest rows first
+    ptr = lambda count: np.concatenate([[0], np.cumsum(count)])
+    _quadrature.integrate_product(np.ascontiguousarray(table[order]), ptr(np.bincount(i, minlength=n)), unodes,
+                                  ptr(n_u), np.ascontiguousarray(omega.reshape(n, RT)), *out, threads)
+    return out

@@ -75,9 +75,8 @@ class PolarRule:
     POLAR_PIECE = 1 << 21               # nodes held at a time (≈ 170–240 MB)
     POLAR_DELTA = 0.0                   # Δ passed to integrate_polar (route 1: the output noise)
 
-    def _polar_weight(self, omega, V, y=None):
-        """The weight of the polar rule per sample (``y``: the outputs, for channels whose rule
-        depends on them): 1 where the prior of every ring layer ℓ
+    def _polar_weight(self, omega, V):
+        """The weight of the polar rule per sample: 1 where the prior of every ring layer ℓ
         conditioned on the other layers is broad, s = min_ℓ 1/√(V⁻¹)_ℓℓ ≥ (1 + blend)
         POLAR_MIN_SD; 0 (the Laplace-centred Gauss–Hermite rule: the softmax cliffs are then
         smooth on the posterior's scale) below POLAR_MIN_SD; linear in s between, where the
