@@ -2,8 +2,8 @@
 on one core (best of three, CPU time of this process with threads=1 — run it with
 OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
-layers, and noisy two layers below Δ = 1e-3 (timed and checked on the preimage rule's samples),
-with --self-reference K, against the same rule at twice the node counts on K draws.
+layers, and noisy two layers below Δ = 1e-3 (one row for the preimage rule's samples, one for
+the chart rule's, with their shares), with --self-reference K, against the same rule at twice the node counts on K draws.
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -60,8 +60,8 @@ def main():
     p.add_argument("--l3-timing-samples", type=int, default=40,
                    help="4-D cases (L = 3, noisy L = 2) take ≈ 5-30 ms per sample")
     p.add_argument("--self-reference", type=int, default=0, metavar="K",
-                   help="three layers, and noisy two layers below Δ = 1e-3 (the preimage rule's samples "
-                        "only, their share in the first column): measure the error on K draws against "
+                   help="three layers, and noisy two layers below Δ = 1e-3 (rows for the preimage and the "
+                        "chart rule's samples, their shares in the first column): measure the error on K draws against "
                         "the same rule at twice the node counts per dimension (the mpmath reference "
                         "takes minutes per draw)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
@@ -72,7 +72,7 @@ def main():
                    help="q = diag(0, …, 0, q): the last layer pinned, the earlier ones broad")
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{'route':14s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
+    print(f"{'route':22s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
     for route, L, T, noise, reference, settings in CASES:
         if L not in a.layers or route not in a.routes:
@@ -93,31 +93,39 @@ def run(a, rng, route, L, T, noise, reference, settings):
     for q in a.q:
         y, omega, V = draws(model, q, a.l3_timing_samples if four_d else a.timing_samples, rng, noise,
                             a.pinned)
-        case = name
-        if preimage:        # the preimage rule's samples (the others take the Laplace rule)
-            keep = model.channel(noise=noise)._preimage_applies(y.reshape(len(y), -1))
-            y, omega, case = y[keep], omega[keep], f"{name} {keep.mean():.0%}"
-        k = a.l3_reference_samples if four_d else a.reference_samples
-        if a.self_reference and (L == 3 or preimage):
-            fine = model.channel(noise=noise, threads=1, error_estimate=False,
-                                 nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]).moments(
-                y[:a.self_reference], omega[:a.self_reference], V)
-            refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
-        else:
-            refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
-        for setting in settings:
-            channel = model.channel(noise=noise, threads=1, **setting)
-            channel.moments(y[:4], omega[:4], V)
-            times = []
-            for _ in range(3):                   # best of three (a shared machine is noisy)
-                start = time.process_time()
-                m = channel.moments(y, omega, V)
-                times.append(time.process_time() - start)
-            us = min(times) / len(y) * 1e6
-            errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
-            label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
-            print(f"{case:14s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
-                  f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
+        if not preimage:
+            rows(a, model, noise, reference, settings, name, four_d, preimage, q, y, omega, V)
+            continue
+        keep = model.channel(noise=noise)._preimage_applies(y.reshape(len(y), -1))
+        for rule, mask in (("pre", keep), ("chart", ~keep)):   # the preimage rule's samples, the others
+            rows(a, model, noise, reference, settings, f"{name} {rule} {mask.mean():.0%}", four_d, preimage, q,
+                 y[mask], omega[mask], V)
+
+
+def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, omega, V):
+    """One row per setting for the draws (y, omega, V)."""
+    L, T = model.layers, model.tokens
+    k = a.l3_reference_samples if four_d else a.reference_samples
+    if a.self_reference and (L == 3 or preimage):
+        fine = model.channel(noise=noise, threads=1, error_estimate=False,
+                             nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]).moments(
+            y[:a.self_reference], omega[:a.self_reference], V)
+        refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
+    else:
+        refs = [reference(y[i], omega[i], V) for i in range(min(k, len(y)))]
+    for setting in settings:
+        channel = model.channel(noise=noise, threads=1, **setting)
+        channel.moments(y[:4], omega[:4], V)
+        times = []
+        for _ in range(3):                   # best of three (a shared machine is noisy)
+            start = time.process_time()
+            m = channel.moments(y, omega, V)
+            times.append(time.process_time() - start)
+        us = min(times) / len(y) * 1e6
+        errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
+        label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
+        print(f"{case:22s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
+              f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
 
 
 class Fine:

@@ -657,9 +657,10 @@ class NoisyChannel(PolarRule, Channel):
     likelihood N(y; σ_β(u_L u_Lᵀ), Δ I) depends on u_L alone and its softmax cliffs are lines
     through u_L = 0, so u_L gets a ring rule about the origin like the earlier layers, with
     counts × sharp = 1 + NOISY_SHARP/√Δ (the likelihood narrows the cliffs by ≈ √Δ; radial
-    counts × √sharp).  Two layers below POLAR_MIN_NOISE[2] take the preimage rule (``PREIMAGE``):
-    Gauss–Hermite in the off-diagonal entries of σ_β(u_2 u_2ᵀ), where the likelihood is
-    Gaussian, for samples whose window is well inside the softmax's range."""
+    counts × √sharp).  Below POLAR_MIN_NOISE[L] samples whose likelihood window is well inside
+    the softmax's range take the preimage rule (``PREIMAGE``: Gauss–Hermite in the off-diagonal
+    entries of σ_β(u_L u_Lᵀ), where the likelihood is Gaussian), the others the chart rule
+    (smi_core.chart: along the curves of constant σ_21 out to where the prior stops them)."""
 
     route, _route_id = "noisy", 1
     NOISY_SHARP = 0.8
@@ -738,8 +739,8 @@ class NoisyChannel(PolarRule, Channel):
     # u_2 → −u_2 is folded (the sign nearer h_2's prior mean is taken).  It applies where the
     # likelihood's window stays ``margin`` sd inside the triangle: min(p̄, r̄, (1 − p̄ − r̄)/√2) ≥
     # margin·√(Δ/2) (margin 4: up to 3.8e-4 off, the Jacobian's zeros too near; 5: 1.6e-6).
-    # Other samples take the Laplace rule.  As Δ → 0 the rule tends to the reparametrised
-    # route's (one u node).
+    # Other samples take the chart rule (``_chart_run``).  As Δ → 0 the rule tends to the
+    # reparametrised route's (one u node).
     PREIMAGE = dict(nodes=8, margin=6.0, piece=1 << 18)   # piece: nodes held at a time (≈ 30 MB)
 
     @property

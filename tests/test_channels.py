@@ -761,7 +761,7 @@ def test_noisy_l1_chart_rule(q):
 
 @pytest.mark.parametrize("q", [0.0, 0.9])
 def test_noisy_l2_preimage_rule_converges(q):
-    """Δ = 1e-5 (the preimage rule where it applies, else the Laplace rule): on the preimage
+    """Δ = 1e-5 (the preimage rule where it applies, else the chart rule): on the preimage
     samples of 32 SE draws (measured 66 % / 69 %) the default is within 1e-5 of the rule at 1.5×
     the node counts per dimension (measured max 1.3e-7 / 1.6e-8 at q = 0 / 0.9)."""
     y, omega, V = se_batch(2, 32, q * np.eye(2), np.random.default_rng(11), noise=1e-5)
@@ -787,15 +787,36 @@ def test_noisy_l2_preimage_rule_without_skip():
 
 
 def test_noisy_l2_tiny_noise_at_the_softmax_edge():
-    """Δ = 1e-16 with y_21 = 3.2e-8 (the softmax edge, left to the Laplace rule): the curvature
-    along y_21 is ≈ 1e16 times the others and the rounded Laplace covariance was not positive
-    definite (LinAlgError from numpy); now its eigenvalues are floored and the moments finite."""
+    """Δ = 1e-16 with y_21 = 3.2e-8 (the softmax edge): the chart rule's moments are finite, and
+    so are the Laplace rule's (which this sample took before the chart rule, and which samples
+    with a narrow prior of h_1 still take): the curvature along y_21 is ≈ 1e16 times the others
+    and the rounded Laplace covariance was not positive definite (LinAlgError from numpy); its
+    eigenvalues are floored."""
     rng = np.random.default_rng(1)
     omega = math.sqrt(0.5) * rng.standard_normal((48, 2, 2))
     y = model(2).forward(omega + math.sqrt(0.5) * rng.standard_normal((48, 2, 2)))[:1]
     assert 1e-8 < y[0, 1, 0] < 1e-7
-    mo = model(2).channel(noise=1e-16).moments(y, omega[:1], 0.5 * np.eye(2))
+    ch = model(2).channel(noise=1e-16)
+    mo = ch.moments(y, omega[:1], 0.5 * np.eye(2))
     assert np.isfinite(mo.g_out).all() and np.isfinite(mo.dg_out).all()
+    V = 0.5 * np.eye(2)[None]
+    log_z, mean, cov, _ = ch._laplace(y.reshape(1, 4), omega[:1], V, np.linalg.inv(V), np.linalg.slogdet(V)[1])
+    assert np.isfinite(mean).all() and np.isfinite(cov).all()
+
+
+@pytest.mark.parametrize("q", [0.0, 0.9])
+def test_noisy_l2_chart_rule_converges(q):
+    """Δ = 1e-5, two layers, on 6 SE draws the preimage rule leaves (the chart rule: ±x_1 of
+    h_1's rings × u_2 nodes in the chart): within 1e-6 of the rule at 1.5× the counts (measured
+    on 16 such draws per q: max 3.5e-7 / 8.3e-8 / 1.4e-7 at q = 0 / 0.5 / 0.9)."""
+    y, omega, V = se_batch(2, 64, q * np.eye(2), np.random.default_rng(11), noise=1e-5)
+    ch = model(2).channel(noise=1e-5)
+    sel = np.flatnonzero(~_preimage_samples(ch, y, V))[:6]
+    assert len(sel) == 6
+    m = ch.moments(y[sel], omega[sel], V)
+    fine = model(2).channel(noise=1e-5, nodes=21).moments(y[sel], omega[sel], V)
+    dist = [ref.metric(m.g_out[i], m.dg_out[i], fine.g_out[i], fine.dg_out[i]) for i in range(len(sel))]
+    assert max(dist) <= 1e-6, dist
 
 # A draw of the test above (draw 0, Δ = 1e-2) with its noisy-route moments from the 4-D reference
 # (channel_reference.noisy_l2, n = 6: self-convergence 9e-4 in the metric), confirmed by
