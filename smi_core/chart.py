@@ -11,12 +11,14 @@ and m, s² the conditional prior of h_L),
 
     ∫ du N(F u; m, s² I) N(y; σ(u), Δ I) = ∫ dℓ ∫ dD/|D| N(F u(D, ℓ); m, s² I) N(y; σ(D, ℓ), Δ I),
 
-with D over both signs (u(-D, ℓ) = -u(D, ℓ)).  Outer rule in ℓ: Gauss–Hermite in r on the
-likelihood (``hermite`` nodes) where r's window lies inside (0, 1) and inside the range of ℓ
-over the prior's ``reach``-sd ellipse, else Gauss–Legendre on the intersection (``legendre``).
-Inner rule per ℓ node: Gauss–Legendre in log|D| on each interval where the curve of constant ℓ
-lies inside the prior's ellipse — there |D·(F u) - m D|² ≤ reach² s² D², a quartic in D from the
-chart's ``poly`` — and p inside its window (D² = -logit(p)/β - ℓ).
+with D over both signs (u(-D, ℓ) = -u(D, ℓ)).  Outer rule in ℓ (``ell_rule``): Gauss–Hermite in
+r on the likelihood where r's window lies inside (0, 1) and inside the range of ℓ over the
+prior's ``reach``-sd ellipse, else Gauss–Legendre panels.  Inner rule per ℓ node (``nodes``):
+Gauss–Legendre panels (``panels``) on the intervals of D where the curve of constant ℓ lies inside
+the prior's ellipse — there |D·(F u) - m D|² ≤ reach² s² D², a quartic in D from the chart's
+``poly`` — and p inside its window (D² = -logit(p)/β - ℓ).  With several rows per sample (two
+layers: the nodes of h_1) the u nodes are placed on an ``envelope`` of the rows' priors and
+shared; ``_quadrature.integrate_product`` sums rows × u nodes.
 """
 from __future__ import annotations
 
@@ -123,9 +125,9 @@ def _quartic_roots(c):
     return np.sort(np.where(real, z.real, np.nan), axis=-1)
 
 
-def d_intervals(poly, F, m, s, dmin, dmax, rule=RULE):
+def d_intervals(poly, F, m, s, rule=RULE):
     """Intervals of D > 0 for each sign ± of u (rows × 2 signs × 2 intervals × [lo, hi], nan
-    where empty): where the curve of constant ℓ is inside the prior's ellipse, ∩ [dmin, dmax].
+    where empty): where the curve of constant ℓ is inside the prior's ellipse.
     ``poly`` (rows, 2, 3): D·u = poly[:, :, 0] + poly[:, :, 1] D + poly[:, :, 2] D²."""
     a = np.einsum("kab,kbj->kja", F, poly)                         # D·F u = a_0 + a_1 D + a_2 D²
     out = np.full((len(m), 2, 2, 2), np.nan)
@@ -143,9 +145,7 @@ def d_intervals(poly, F, m, s, dmin, dmax, rule=RULE):
             lo, hi = roots[:, j], roots[:, j + 1]
             mid = 0.5 * (lo + hi)
             val = sum(c[:, k] * mid ** k for k in range(5))
-            ok = np.isfinite(mid) & (val < 0)
-            lo, hi = np.maximum(lo, dmin), np.minimum(hi, dmax)
-            ok &= hi > lo
+            ok = np.isfinite(mid) & (val < 0) & (hi > lo)
             slot = np.where(np.isnan(out[:, i, 0, 0]), 0, 1)
             rows = np.flatnonzero(ok)
             out[rows, i, slot[rows]] = np.stack([lo[rows], hi[rows]], axis=1)
@@ -211,7 +211,7 @@ def nodes(chart, params, owner, ell, log_w_ell, pbar, sd, F, m, s, beta, rule=RU
     k = rule["window"]
     N = len(ell)
     poly = chart(np.stack([np.ones(N), ell], axis=1), params)[:, 7:13].reshape(N, 2, 3)
-    box = d_intervals(poly, F[owner], m[owner], s[owner], np.zeros(N), np.full(N, np.inf), rule)
+    box = d_intervals(poly, F[owner], m[owner], s[owner], rule)
     pan = panels(pbar[owner] - k * sd, pbar[owner] + k * sd, ell, beta)     # (N, 3, 2)
     t, w = np.polynomial.legendre.leggauss(rule["legendre"])
     Ds, lws = [], []
