@@ -27,6 +27,7 @@ import numpy as np
 from . import _quadrature
 
 RULE = dict(reach=9.0, window=7.0, legendre=32, hermite=16, angles=128)
+U, SIGMA, LOGDET, POLY = slice(0, 2), slice(2, 6), 6, slice(7, 13)     # the chart kernel's outputs
 
 
 def window(y, delta):
@@ -210,7 +211,7 @@ def nodes(chart, params, owner, ell, log_w_ell, pbar, sd, F, m, s, beta, rule=RU
     -inf for unused slots), N = len(ell)."""
     k = rule["window"]
     N = len(ell)
-    poly = chart(np.stack([np.ones(N), ell], axis=1), params)[:, 7:13].reshape(N, 2, 3)
+    poly = chart(np.stack([np.ones(N), ell], axis=1), params)[:, POLY].reshape(N, 2, 3)
     box = d_intervals(poly, F[owner], m[owner], s[owner], rule)
     pan = panels(pbar[owner] - k * sd, pbar[owner] + k * sd, ell, beta)     # (N, 3, 2)
     t, w = np.polynomial.legendre.leggauss(rule["legendre"])
@@ -226,9 +227,9 @@ def nodes(chart, params, owner, ell, log_w_ell, pbar, sd, F, m, s, beta, rule=RU
     D, lw = np.concatenate(Ds, axis=-1), np.concatenate(lws, axis=-1)     # (N, sign, slot, G')
     out = chart(np.stack([D.ravel(), np.broadcast_to(ell[:, None, None, None], D.shape).ravel()], axis=1), params)
     sign = np.broadcast_to(np.array([1.0, -1.0])[None, :, None, None], D.shape).reshape(-1, 1)
-    u = (sign * out[:, :2]).reshape(N, -1, 2)
-    sig = out[:, 2:6].reshape(N, -1, 4)
-    log_w = (lw + out[:, 6].reshape(D.shape) + log_w_ell[:, None, None, None]).reshape(N, -1)
+    u = (sign * out[:, U]).reshape(N, -1, 2)
+    sig = out[:, SIGMA].reshape(N, -1, 4)
+    log_w = (lw + out[:, LOGDET].reshape(D.shape) + log_w_ell[:, None, None, None]).reshape(N, -1)
     return u, sig, log_w
 
 
