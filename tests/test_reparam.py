@@ -162,3 +162,25 @@ def test_h_ill_scaled(backend):
     h_lu = np.linalg.solve(m.mixing(Z).phi[0], rp.u[0])
     assert np.abs(h_lu - s * h).max() <= RTOL * np.abs(h).max() + DELTA * A_h[0]    # LU: fine
     assert np.abs(rp.h[0] - s * h).max() <= RTOL * np.abs(h).max() + DELTA * A_h[0]  # the kernel too
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(D=st.floats(np.log(1e-3), np.log(30.0)).map(np.exp), ell=st.floats(-30.0, 30.0), beta=betas)
+def test_chart_kernel(D, ell, beta):
+    """The chart kernel (derive.reparam.chart_program, T = 2, L = 1) against its definitions,
+    D = u_1 - u_2 and ℓ = log(σ_21/σ_22)/β = u_2 (u_1 - u_2): its σ is the mpmath forward of
+    tests/reference.py at its u; log|det ∂u/∂(D, ℓ)| is -log|det ∂(D, ℓ)/∂u| with
+    ∂(D, ℓ)/∂u = [[1, -1], [u_2, u_1 - 2u_2]]; and D·u = Σ_k poly_k D^k.  Tolerances scale with
+    the rounding of the logits β u_t u_s (≤ 1e-15 β |u|²)."""
+    m = model(layers=1, tokens=2, rank=1, beta=beta)
+    out = m.kernel("chart")(np.array([[D, ell]]), m.params)[0]
+    u, sig, logdet, poly = out[:2], out[2:6], out[6], out[7:13].reshape(2, 3)
+    scale = np.abs(u).max()
+    assert abs((u[0] - u[1]) - D) <= 1e-14 * scale
+    assert abs(u[1] * (u[0] - u[1]) - ell) <= 1e-14 * scale ** 2
+    ref = np.array([float(v) for v in np.ravel(Model(1, 2, 1, beta=beta).forward_mp([[u[0], u[1]]]))])
+    tol = 1e-13 * (1 + beta * scale ** 2)
+    assert np.all(np.abs(sig - ref) <= tol * np.maximum(np.abs(ref), 1e-300)), (sig, ref)
+    jac = np.array([[1.0, -1.0], [u[1], u[0] - 2 * u[1]]])
+    assert abs(logdet + np.log(abs(np.linalg.det(jac)))) <= 1e-12 * (1 + scale ** 2 / D)
+    assert np.allclose(D * u, poly @ np.array([1.0, D, D * D]), rtol=1e-14, atol=1e-14 * scale * D)
