@@ -36,6 +36,7 @@ from hypothesis.extra.numpy import arrays
 import channel_reference as ref
 from reference import Model
 from smi_core import DeepAttention
+from smi_core.channels import NoisyChannel
 
 RTOL = 1e-6          # L = 1, 2, noisy
 RTOL_L3 = 1e-4       # L = 3
@@ -689,15 +690,17 @@ def test_noisy_route_approaches_reparam_route_one_layer():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): for Δ < 1e-3 (here 1e-4) the L = 2 noisy route falls back to the Laplace rule, whose posterior is a thin sheet with softmax cliffs, and the adaptive cubature stops at max_regions before tol")
 def test_noisy_route_approaches_reparam_route():
     """DeepAttention(2, 2): on noiseless SE outputs (q = 0.5), channel(noise=Δ) → channel() as
-    Δ → 0: for Δ = 1e-2, 1e-3, 1e-4 the metric distance to the reparametrised route shrinks
-    (the medians over 12 draws strictly, and every draw from Δ = 1e-2 to 1e-4).
+    Δ → 0: for Δ = 1e-2, 1e-3, 1e-4 the median metric distance to the reparametrised route over
+    12 draws shrinks, by ≥ 3× from 1e-3 to 1e-4 (measured 0.22, 0.10, 5.7e-3).
 
-    Only shrinking is asked: the exact noisy posterior approaches the noiseless one slowly
-    (4-D reference, draw 0: distance 0.53, 0.33, 0.19 for Δ = 1e-2, 1e-3, 1e-4; draw 1: 0.18,
-    0.08 for Δ = 1e-2, 1e-3)."""
+    Only the medians: the exact noisy posterior approaches the noiseless one slowly and not
+    monotonically on every draw.  Draw 9 sits at the fold (1 - p - r = 2e-4): 0.06, 0.09, 0.09
+    at Δ = 1e-2, 1e-3, 1e-4, and the two-layer polar rule forced to Δ = 1e-4 (``nodes=21``) agrees
+    with the chart rule there to 3.7e-8 (``test_noisy_l2_chart_rule_against_polar_rule``).  (4-D
+    reference, draw 0: 0.53, 0.33, 0.19 for Δ = 1e-2, 1e-3, 1e-4; draw 1: 0.18, 0.08 for Δ =
+    1e-2, 1e-3.)"""
     rng = np.random.default_rng(7)
     y, omega, V = se_batch(2, 12, 0.5 * np.eye(2), rng)
     exact = channel(2).moments(y, omega, V)
@@ -709,9 +712,28 @@ def test_noisy_route_approaches_reparam_route():
     dist = np.array(dist)
     med = np.median(dist, axis=1)
     msg = f"distance to the reparam route per Δ (rows) and sample (columns):\n{dist}\nmedians {med}"
-    assert med[1] < med[0] and med[2] < med[1], msg
-    assert (dist[2] < dist[0]).all(), msg
+    assert med[1] < med[0] and med[2] < med[1] / 3, msg
 
+
+class ForcedPolar(NoisyChannel):
+    """The two-layer noisy polar rule below its POLAR_MIN_NOISE (slow: ∝ Δ^-3/4 per ring)."""
+    POLAR_MIN_NOISE = {1: 1e-9, 2: 1e-9}
+
+
+def test_noisy_l2_chart_rule_against_polar_rule():
+    """Δ = 1e-4, q = 0.5, the three draws of the test above that the chart rule takes (the fold
+    at r ≈ 1/2, the softmax edge r → 0, near the fold): the chart rule at tol = 1e-7 against
+    the two-layer polar rule forced below its POLAR_MIN_NOISE at ``nodes=21``, an independent
+    rule (rings about u_2 = 0; its own difference to its default counts 1e-6 … 6.5e-6): within
+    1e-6 (measured 3.7e-8, 6.7e-9, 9.4e-10; the polar rule takes ≈ 30 s)."""
+    y, omega, V = se_batch(2, 12, 0.5 * np.eye(2), np.random.default_rng(7))
+    sel = [9, 0, 11]
+    m = model(2)
+    assert not _preimage_samples(m.channel(noise=1e-4), y[sel], V).any()
+    chart_rule = m.channel(noise=1e-4, tol=CHANNEL_TOL).moments(y[sel], omega[sel], V)
+    polar = ForcedPolar(m, noise=1e-4, nodes=21, error_estimate=False).moments(y[sel], omega[sel], V)
+    dist = [ref.metric(chart_rule.g_out[j], chart_rule.dg_out[j], polar.g_out[j], polar.dg_out[j]) for j in range(3)]
+    assert max(dist) <= 1e-6, dist
 
 
 def _preimage_samples(ch, y, V):
