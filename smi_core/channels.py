@@ -748,16 +748,11 @@ class NoisyChannel(PolarRule, Channel):
         """The preimage rule needs only h_1 broad (h_2's prior is in its Gauss–Hermite rule)."""
         return 1 if self._preimage else self.model.layers
 
-    @staticmethod
-    def _preimage_centre(y):
-        """(p̄, r̄) per sample (y: n × 4, row-major)."""
-        return 0.5 * (y[:, 1] + 1 - y[:, 0]), 0.5 * (y[:, 2] + 1 - y[:, 3])
-
     def _preimage_applies(self, y):
-        """Samples whose likelihood window in (p, r) stays PREIMAGE["margin"] sd inside the
-        triangle."""
-        p, r = self._preimage_centre(y)
-        return np.minimum(np.minimum(p, r), (1 - p - r) / np.sqrt(2)) >= self.PREIMAGE["margin"] * np.sqrt(self._delta / 2)
+        """Samples whose likelihood window in (p, r) (``chart.window``) stays PREIMAGE["margin"]
+        sd inside the triangle."""
+        p, r, sd = chart.window(y, self._delta)
+        return np.minimum(np.minimum(p, r), (1 - p - r) / np.sqrt(2)) >= self.PREIMAGE["margin"] * sd
 
     def _preimage_u(self, p, r):
         """u_2 (the + pre-image) of σ = [[1 − p, p], [r, 1 − r]] by the generated one-layer
@@ -775,10 +770,10 @@ class NoisyChannel(PolarRule, Channel):
             return super()._polar_run(u, omega, V, Vinv, logdetV, scale)
         n, RT = len(omega), self.R * self.T
         total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
-        near = np.flatnonzero(~self._preimage_applies(u))
+        applies = self._preimage_applies(u)
+        near, far = np.flatnonzero(~applies), np.flatnonzero(applies)
         if near.size:
             _merge(total, near, self._chart_run(u[near], omega[near], V[near], scale))
-        far = np.flatnonzero(self._preimage_applies(u))
         if far.size:
             _merge(total, far, self._preimage_run(u[far], omega[far], V[far], Vinv[far], logdetV[far], scale))
         return total
@@ -797,6 +792,16 @@ class NoisyChannel(PolarRule, Channel):
             return np.tile(owner, 2)[order], np.concatenate([rings.x, -rings.x])[order], np.tile(rings.log_w, 2)[order]
         return owner, rings.x, rings.log_w
 
+    def _last_prior(self, x1, omega, V):
+        """For nodes x_1 (with their samples' ω, V): rows [Φ⁻¹, log|det Φ|] (5 × k, inf where Φ is
+        singular; ``_inverse_logdet``) of Φ = Φ⁽¹⁾(x_1), and h_2 | x_1 ~ N(m, s² I) (m, s²).
+        One layer: no x_1, Φ = I and h_1 ~ N(ω_1, V_11 I)."""
+        if not x1.shape[1]:
+            return np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x1))), omega[:, 0], V[:, 0, 0]
+        inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
+        m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
+        return inv, m, V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
+
     def _chart_run(self, y, omega, V, scale):
         """The chart rule (smi_core.chart) with the tokens swapped where only p's window is
         inside (0, 1) (``chart.swapped``).  Rows: one layer, the samples (u_1 = h_1, F = I);
@@ -807,18 +812,9 @@ class NoisyChannel(PolarRule, Channel):
         y = np.where(swap[:, None], y[:, [3, 2, 1, 0]], y)
         omega = np.where(swap[:, None, None], omega[:, :, ::-1], omega)
         owner, x1, lw1 = self._ring_rows(omega, V, scale, reflect=True)
-        L = self.model.layers
-        if L == 1:
-            F, m, s2 = np.tile(np.eye(2), (len(owner), 1, 1)), omega[:, 0], V[:, 0, 0]
-        else:
-            inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
-            keep = np.isfinite(inv).all(axis=0)
-            owner, x1, lw1, inv = owner[keep], x1[keep], lw1[keep], inv[:, keep]
-            F = inv[:4].T.reshape(-1, 2, 2)
-            i = owner
-            m = omega[i, 1] + (V[i, 1, 0] / V[i, 0, 0])[:, None] * (x1 - omega[i, 0])
-            s2 = V[i, 1, 1] - V[i, 1, 0] ** 2 / V[i, 0, 0]
-        rows = owner, x1, lw1, F, m, np.sqrt(s2)
+        inv, m, s2 = self._last_prior(x1, omega[owner], V[owner])
+        keep = np.isfinite(inv).all(axis=0)
+        rows = owner[keep], x1[keep], lw1[keep], inv[:4, keep].T.reshape(-1, 2, 2), m[keep], np.sqrt(s2[keep])
         log_z, mean, second = chart.integrate(y, omega, V, self._delta, rows, self._chart_kernels,
                                               self.model.params, self.model.beta, self.threads, chart.scaled(scale))
         mean = np.where(swap[:, None], mean[:, perm], mean)
@@ -832,7 +828,7 @@ class NoisyChannel(PolarRule, Channel):
         t, wt = np.polynomial.hermite.hermgauss(max(3, int(round(self.PREIMAGE["nodes"] * scale))))
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
         rule = xi, np.log(np.outer(wt, wt)).ravel() + (xi ** 2).sum(axis=1)
-        centre = np.stack(self._preimage_centre(u), axis=1)
+        centre = np.stack(chart.window(u, self._delta)[:2], axis=1)
         ustar, D, _ = self._preimage_u(*centre.T)
         Dinv = np.linalg.inv(D)                                                 # ∂u/∂(p, r) at u*
         owner, x1, lw1 = self._ring_rows(omega, V, scale)
@@ -861,13 +857,8 @@ class NoisyChannel(PolarRule, Channel):
         Φ = I and h_1 ~ N(ω_1, V_11 I)."""
         xi, lxi = rule
         G = len(xi)
-        if x1.shape[1]:                         # two layers: Φ = Φ⁽¹⁾(x_1), h_2 | x_1
-            inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
-            m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
-            s2 = (V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0])[:, None]
-        else:                                   # one layer: Φ = I, h_1 ~ N(ω_1, V_11 I)
-            inv = np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x1)))
-            m, s2 = omega[:, 0], V[:, 0, 0][:, None]
+        inv, m, s2 = self._last_prior(x1, omega, V)
+        s2 = s2[:, None]
         finite = np.isfinite(inv).all(axis=0)                                  # Φ singular: weight 0
         F = np.where(finite[:, None, None], inv[:4].T.reshape(-1, 2, 2), np.eye(2))     # Φ⁻¹
         h = np.einsum("kab,kb->ka", F, ustar)

@@ -42,14 +42,19 @@ def _logit(x, beta):
     return np.where(x <= 0, -np.inf, np.where(x >= 1, np.inf, out))
 
 
+def _boundary(Finv, m, s, count, rule=RULE):
+    """``count`` points u (rows × count × 2) on the boundary of each prior ellipse
+    |F u - m| = reach·s."""
+    theta = np.linspace(0, 2 * np.pi, count, endpoint=False)
+    circle = np.stack([np.cos(theta), np.sin(theta)], axis=1)
+    return np.einsum("kab,kgb->kga", Finv, m[:, None] + rule["reach"] * s[:, None, None] * circle)
+
+
 def prior_ell_range(forward, m, s, Finv, beta, rule=RULE):
     """[min, max] of ℓ = log(σ_21/σ_22)/β over the boundary of the prior's ellipse
     |F u - m| = reach·s (ℓ is an indefinite quadratic form in u, so its extremes are on the
     boundary), sampled at ``angles`` points and widened by one sampling step."""
-    theta = np.linspace(0, 2 * np.pi, rule["angles"], endpoint=False)
-    circle = np.stack([np.cos(theta), np.sin(theta)], axis=1)
-    edge = m[:, None] + rule["reach"] * s[:, None, None] * circle[None]
-    u = np.einsum("kab,kgb->kga", Finv, edge)
+    u = _boundary(Finv, m, s, rule["angles"], rule)
     sig = forward(u.reshape(-1, 1, 2)).reshape(len(m), -1, 4)
     with np.errstate(divide="ignore"):
         ell = (np.log(sig[..., 2]) - np.log(sig[..., 3])) / beta
@@ -253,12 +258,10 @@ def envelope(owner, F, m, s, n, rule=RULE):
     (``owner`` sorted), as (F_e, m_e, s_e): 16 boundary points of every row's ellipse, their mean
     μ and covariance C, F_e = C^-½, m_e = F_e μ and reach·s_e the largest |F_e (point - μ)|
     (× 1.02: |point|² is a trigonometric polynomial of degree 2 along each boundary)."""
-    theta = np.linspace(0, 2 * np.pi, 16, endpoint=False)
-    circle = np.stack([np.cos(theta), np.sin(theta)], axis=1)
-    pts = np.einsum("kab,kgb->kga", np.linalg.inv(F), m[:, None] + rule["reach"] * s[:, None, None] * circle)
-    start = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=n))])[:-1] * len(theta)
-    pts = pts.reshape(-1, 2)
-    count = np.bincount(owner, minlength=n) * len(theta)
+    per = 16
+    pts = _boundary(np.linalg.inv(F), m, s, per, rule).reshape(-1, 2)
+    start = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=n))])[:-1] * per
+    count = np.bincount(owner, minlength=n) * per
     mu = np.add.reduceat(pts, start, axis=0) / count[:, None]
     d = pts - np.repeat(mu, count, axis=0)
     C = np.add.reduceat(d[:, :, None] * d[:, None, :], start, axis=0) / count[:, None, None]
