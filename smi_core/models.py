@@ -45,8 +45,9 @@ class SMIModel:
     def channel(self, route: str | None = None, noise: float | None = None, **options):
         """The output channel (spec §4): ``channel.moments(y, omega, V)`` gives log Z_out, g_out
         and ∂_ω g_out.  ``noise`` = Δ > 0 selects the noisy route; options: ``nodes`` (per
-        dimension), ``tol``, ``error_estimate``, ``threads``, and for route 1 ``escalate`` (the
-        estimate above which a two-layer sample gets finer rules; see smi_core.channels)."""
+        dimension), ``tol``, ``error_estimate``, ``threads``, and ``escalate`` (the estimate
+        above which a two-layer sample gets finer rules, on route 1 and on the noisy route below
+        its POLAR_MIN_NOISE; see smi_core.channels)."""
         from .channels import make_channel
         return make_channel(self, route=route, noise=noise, **options)
 

@@ -329,9 +329,10 @@ def _channel(model, noise, options):
     """The channel SE calls: a one-index link's closed form when SymPy has one, else the
     model's default route (reparametrisation, or the noisy route when noise is given), with
     its default nodes.  The per-sample error estimate is computed only where it changes the
-    moments (``channel.escalates``: two-layer attention, whose pinned samples it sends to finer
-    rules — without it, at q = diag(0.81, 0.998), 38 % of the samples are off by more than 1e-4
-    and q̂₂₂ by 0.4 %), or when the options ask for it (``tol``, ``error_estimate``); SE
+    moments (``channel.escalates``: two-layer attention, noiseless or with Δ below the noisy
+    route's POLAR_MIN_NOISE, whose pinned samples it sends to finer rules — without it, at
+    q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more than 1e-4 and q̂₂₂ by
+    0.4 %), or when the options ask for it (``tol``, ``error_estimate``); SE
     escalates from ESCALATE, not from the channel's default.  A channel already built is used
     as it is."""
     if hasattr(options, "moments"):

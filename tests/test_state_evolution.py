@@ -402,3 +402,15 @@ def test_se_channel_resolves_the_pinned_regime(q, polar_off):
     reference = q_hat({"tol": 1e-7})
     assert (np.abs(q_hat(None) - reference) <= 1e-6 * reference).all()
     assert np.abs(q_hat({"error_estimate": False}) - reference)[polar_off] > 1e-3 * reference[polar_off]
+
+
+@pytest.mark.parametrize("noise, escalates", [(None, True), (1e-5, True), (1e-2, False)])
+def test_se_channel_keeps_the_estimate_where_it_escalates(noise, escalates):
+    """SE's channel computes the per-sample estimate only where it changes the moments: two
+    layers noiseless, and noisy below the noisy route's POLAR_MIN_NOISE (finer rings of h_1 for
+    pinned samples); there it escalates from SE's ESCALATE, not from the channel's default."""
+    from smi_core.state_evolution import ESCALATE, _channel
+    channel = _channel(DeepAttention(layers=2, tokens=2), noise, None)
+    assert channel.escalates == escalates and channel.error_estimate == escalates
+    if escalates:
+        assert channel.escalate == ESCALATE
