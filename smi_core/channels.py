@@ -469,9 +469,9 @@ class ReparamChannel(PolarRule, Channel):
             for _ in range(3):
                 v = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (h1 - omega[:, 0])
                 dv = v[:, 0] - v[:, 1]
-                with np.errstate(divide="ignore", invalid="ignore"):
+                with np.errstate(divide="ignore", invalid="ignore"):      # dv = 0: no such A
                     own = (sign * u - c * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
-                ok = np.isfinite(own).all(axis=1) & (own > 0).all(axis=1) & (own < 1).all(axis=1) & (own.sum(axis=1) > 1)
+                    ok = np.isfinite(own).all(axis=1) & (own > 0).all(axis=1) & (own < 1).all(axis=1) & (own.sum(axis=1) > 1)
                 A = np.stack([own[:, 0], 1 - own[:, 0], 1 - own[:, 1], own[:, 1]], axis=1).reshape(n, 2, 2)
                 h = np.full((n, 2), np.nan)
                 if ok.any():
