@@ -668,7 +668,7 @@ class NoisyChannel(PolarRule, Channel):
     POLAR_MIN_NOISE = {1: 1e-4, 2: 1e-3}    # below: too many ring nodes (∝ Δ^-3/4 per layer)
     # two layers below POLAR_MIN_NOISE, with the estimate: samples above ``escalate`` get h_1's rings ×1.5
     # (up to three times; ``_polar_run``).  At q = diag(0.3, 0.99), Δ = 1e-5 (64 draws) the
-    # estimate is above 1e-4 on 78 % of the samples and at Δ = 1e-5, q = 0 / 0.3 / 0.9 on 0 / 0 /
+    # estimate is above 1e-4 on 69 % of the samples and at Δ = 1e-5, q = 0 / 0.3 / 0.9 on 0 / 0 /
     # 2 % (above 1e-5: 19 / 9 / 3 %)
     ESCALATE = 1e-4
 

@@ -841,6 +841,7 @@ def test_noisy_l2_chart_rule_converges(q):
     dist = [ref.metric(m.g_out[i], m.dg_out[i], fine.g_out[i], fine.dg_out[i]) for i in range(len(sel))]
     assert max(dist) <= 1e-6, dist
 
+
 def test_noisy_l2_pinned_last_layer_escalates():
     """Two layers with the last layer pinned, q = diag(0.3, 0.99), Δ = 1e-12 (the preimage and
     chart rules): h_1's rings limit the rule, and by default the samples whose estimate is above
