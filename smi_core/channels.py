@@ -302,6 +302,17 @@ def _inverse_logdet(mix):
     return out
 
 
+def _no_mixing(k):
+    """k node rows [Φ⁻¹, log|det Φ|] of Φ = I (one layer: no earlier layer mixes the tokens)."""
+    return np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, k))
+
+
+def _given_h1(x1, omega, V):
+    """h_2 | h_1 = x_1 ~ N(m, s² I) per row (ω, V of its sample): m = ω_2 + V₂₁/V₁₁ (x_1 − ω_1),
+    s² = V₂₂ − V₂₁²/V₁₁."""
+    return omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0]), V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
+
+
 def _blend(w, laplace, polar):
     """The moments (log Z, E[Z], Cov[Z], error) of the mixture w·(polar posterior) +
     (1 − w)·(Laplace posterior), per sample: log Z and the error averaged with weights w, 1 − w,
@@ -467,7 +478,7 @@ class ReparamChannel(PolarRule, Channel):
         for k, sign in enumerate((1.0, -1.0)):
             h1 = omega[:, 0].copy()
             for _ in range(3):
-                v = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (h1 - omega[:, 0])
+                v = _given_h1(h1, omega, V)[0]
                 dv = v[:, 0] - v[:, 1]
                 with np.errstate(divide="ignore", invalid="ignore"):      # dv = 0: no such A
                     own = (sign * u - c * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
@@ -723,7 +734,7 @@ class NoisyChannel(PolarRule, Channel):
         L = self.model.layers
         u = x[:, 2 * (L - 1):]
         if L == 1:
-            inv = np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x)))
+            inv = _no_mixing(len(x))
         else:
             inv = _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x[:, :2]), self.model.params))
         return np.concatenate([inv, self._u_model.forward(u[:, None, :]).reshape(len(x), 4).T])
@@ -821,10 +832,8 @@ class NoisyChannel(PolarRule, Channel):
         singular; ``_inverse_logdet``) of Φ = Φ⁽¹⁾(x_1), and h_2 | x_1 ~ N(m, s² I) (m, s²).
         One layer: no x_1, Φ = I and h_1 ~ N(ω_1, V_11 I)."""
         if not x1.shape[1]:
-            return np.tile([[1.0], [0.0], [0.0], [1.0], [0.0]], (1, len(x1))), omega[:, 0], V[:, 0, 0]
-        inv = _inverse_logdet(self._mixing_kernel(x1, self.model.params))
-        m = omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0])
-        return inv, m, V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
+            return _no_mixing(len(x1)), omega[:, 0], V[:, 0, 0]
+        return (_inverse_logdet(self._mixing_kernel(x1, self.model.params)),) + _given_h1(x1, omega, V)
 
     def _chart_run(self, y, omega, V, scale, inner):
         """The chart rule (smi_core.chart) with the tokens swapped where only p's window is

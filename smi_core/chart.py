@@ -260,8 +260,8 @@ def envelope(owner, F, m, s, n, rule=RULE):
     (× 1.02: |point|² is a trigonometric polynomial of degree 2 along each boundary)."""
     per = 16
     pts = _boundary(np.linalg.inv(F), m, s, per, rule).reshape(-1, 2)
-    start = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=n))])[:-1] * per
     count = np.bincount(owner, minlength=n) * per
+    start = np.cumsum(count) - count
     mu = np.add.reduceat(pts, start, axis=0) / count[:, None]
     d = pts - np.repeat(mu, count, axis=0)
     C = np.add.reduceat(d[:, :, None] * d[:, None, :], start, axis=0) / count[:, None, None]
