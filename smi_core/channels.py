@@ -731,13 +731,9 @@ class NoisyChannel(PolarRule, Channel):
 
     def _polar_data(self, x):
         """Rows [Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ)."""
-        L = self.model.layers
-        u = x[:, 2 * (L - 1):]
-        if L == 1:
-            inv = _no_mixing(len(x))
-        else:
-            inv = _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x[:, :2]), self.model.params))
-        return np.concatenate([inv, self._u_model.forward(u[:, None, :]).reshape(len(x), 4).T])
+        k = 2 * (self.model.layers - 1)
+        return np.concatenate([self._mixing_rows(x[:, :k]),
+                               self._u_model.forward(x[:, None, k:]).reshape(len(x), 4).T])
 
     def _polar_input(self, y):
         return y
@@ -827,13 +823,18 @@ class NoisyChannel(PolarRule, Channel):
             return np.tile(owner, 2)[order], np.concatenate([rings.x, -rings.x])[order], np.tile(rings.log_w, 2)[order]
         return owner, rings.x, rings.log_w
 
-    def _last_prior(self, x1, omega, V):
-        """For nodes x_1 (with their samples' ω, V): rows [Φ⁻¹, log|det Φ|] (5 × k, inf where Φ is
-        singular; ``_inverse_logdet``) of Φ = Φ⁽¹⁾(x_1), and h_2 | x_1 ~ N(m, s² I) (m, s²).
-        One layer: no x_1, Φ = I and h_1 ~ N(ω_1, V_11 I)."""
+    def _mixing_rows(self, x1):
+        """Rows [Φ⁻¹, log|det Φ|] (5 × k, inf where Φ is singular; ``_inverse_logdet``) of
+        Φ = Φ⁽¹⁾(x_1) for nodes x_1; one layer (x_1 with no columns): Φ = I."""
         if not x1.shape[1]:
-            return _no_mixing(len(x1)), omega[:, 0], V[:, 0, 0]
-        return (_inverse_logdet(self._mixing_kernel(x1, self.model.params)),) + _given_h1(x1, omega, V)
+            return _no_mixing(len(x1))
+        return _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x1), self.model.params))
+
+    def _last_prior(self, x1, omega, V):
+        """For nodes x_1 (with their samples' ω, V): ``_mixing_rows`` and h_2 | x_1 ~ N(m, s² I)
+        (m, s²).  One layer: no x_1, Φ = I and h_1 ~ N(ω_1, V_11 I)."""
+        prior = _given_h1(x1, omega, V) if x1.shape[1] else (omega[:, 0], V[:, 0, 0])
+        return (self._mixing_rows(x1),) + prior
 
     def _chart_run(self, y, omega, V, scale, inner):
         """The chart rule (smi_core.chart) with the tokens swapped where only p's window is
