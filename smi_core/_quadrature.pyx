@@ -20,9 +20,9 @@ x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → t
 with their index matrices Z).  Drivers: ``integrate`` (a fixed rule on every partition piece),
 ``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance), ``integrate_polar``
 (route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
-nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, L = 2: Genz–Malik
-in (t = |h_1|², θ) from boxes the caller refined about the peaks; the same ``_place`` and
-``_terms``, in polar mode).
+nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3:
+Genz–Malik in (t = |h_1|², θ), and for L = 3 also (t_2, θ_2) of u_2 = Φ⁽¹⁾h_2, from boxes the
+caller chose; the same ``_place`` and ``_terms``, in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
@@ -375,6 +375,9 @@ cdef inline void _add_sums(Acc* acc, double top, const double* part) noexcept no
 cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
     int route, R, T, d, M, n_data, n_node, active, polar
     kernel_t f
+    kernel_t f1        # polar mode, L = 3: (u_2, h_1) → [Φ⁽¹⁾⁻¹u_2; log|det Φ⁽¹⁾|]
+    double in1[4]
+    double out1[3]
     const double* par
     const double* data
     const double* omega
@@ -388,8 +391,8 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* node_in
     double* node_out
     double* x
-    double* Z          # up to 4 terms × RT
-    double* lf         # up to 4 terms
+    double* Z          # up to 8 terms × RT
+    double* lf         # up to 8 terms
     double* lq
     double* P          # one point's moment sums (1 + RT + RT²), ``_point``
 
@@ -401,7 +404,7 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
     cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 4 * RT + 4 + M + 1
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 8 * RT + 8 + M + 1
                                           + 1 + RT + RT * RT) * sizeof(double))
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
     s.polar = 0
@@ -418,8 +421,8 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.node_out = work + n_data + d
     s.x = s.node_out + n_node * (1 + d)
     s.Z = s.x + d
-    s.lf = s.Z + 4 * RT
-    s.lq = s.lf + 4
+    s.lf = s.Z + 8 * RT
+    s.lq = s.lf + 8
     s.P = s.lq + M + 1
     if route == 0:
         for i in range(n_data):
@@ -429,12 +432,20 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
 
 cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
     """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight).
-    Polar sites (``integrate_polar_adaptive``): ξ = (t, θ), x = √t (cos θ, sin θ), dx = ½ dt dθ."""
+    Polar sites (``integrate_polar_adaptive``): ξ = (t, θ), x = √t (cos θ, sin θ), dx = ½ dt dθ;
+    with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 = √t_2 (cos θ_2, sin θ_2) and
+    x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|."""
     cdef int d = s.d, i, l, j
     cdef double base = 0.0, lmax, lse
     if s.polar:
         s.x[0], s.x[1] = sqrt(xi[0]) * cos(xi[1]), sqrt(xi[0]) * sin(xi[1])
-        return -M_LN2
+        if d == 2:
+            return -M_LN2
+        s.in1[0], s.in1[1] = sqrt(xi[2]) * cos(xi[3]), sqrt(xi[2]) * sin(xi[3])
+        s.in1[2], s.in1[3] = s.x[0], s.x[1]
+        s.f1(s.in1, s.par, s.out1)
+        s.x[2], s.x[3] = s.out1[0], s.out1[1]
+        return -2 * M_LN2 - s.out1[2]
     for i in range(d):
         base += log(s.A[(m * d + i) * d + i])
         s.x[i] = s.centers[m * d + i]
@@ -456,7 +467,8 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
 cdef int _terms(Site* s, const double* x) noexcept nogil:
     """The integrand at x, as a sum of terms exp(s.lf[k]) at index matrices s.Z[k·RT:]; returns
     their number.  Route 0: the two signs of h_L (2 terms from one kernel call; polar sites also
-    reflect x, Φ being even in it: 4 terms).  Route 1: one term.  Non-finite terms get lf = -inf."""
+    reflect each earlier layer h_ℓ of x, Φ being even in each: 4 terms for L = 2, 8 for L = 3).
+    Route 1: one term.  Non-finite terms get lf = -inf."""
     cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k, nt
     cdef double* Z
     cdef double sq, r
@@ -464,11 +476,11 @@ cdef int _terms(Site* s, const double* x) noexcept nogil:
         for i in range(d):
             s.node_in[s.n_data + i] = x[i]
         s.f(s.node_in, s.par, s.node_out)
-        nt = 4 if s.polar else 2
+        nt = (2 << (d // T)) if s.polar else 2
         for k in range(nt):
             Z = s.Z + k * RT
             for i in range(d):
-                Z[i] = -x[i] if k & 2 else x[i]
+                Z[i] = -x[i] if k & (2 << (i // T)) else x[i]
             for i in range(T):
                 Z[d + i] = -s.node_out[i] if k & 1 else s.node_out[i]
             s.lf[k] = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, T) - s.node_out[T]
@@ -1324,47 +1336,57 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
                              const double[:, ::1] boxes, const long[::1] start,
                              const double[:, :, ::1] whiten, const double[::1] tol, int max_regions,
                              double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
-                             int[::1] used, double[::1] achieved, int threads=0):
-    """Route 0, L = 2: adaptive Genz–Malik cubature in x = h_1 = √t (cos θ, sin θ) over
-    t ≥ 0, θ ∈ [0, π) (the reflection -x is a term of every point), from the initial boxes
-    rows start[i]:start[i+1] of ``boxes`` = [t, θ, half-width in t, in θ] (the caller refines
-    them about the expected peaks), until Σ|I7 - I5| ≤ tol[i] · mass (whitened, as
+                             int[::1] used, double[::1] achieved, int threads=0, capsule1=None):
+    """Route 0, T = 2, L = 2: adaptive Genz–Malik cubature in x = h_1 = √t (cos θ, sin θ) over
+    t ≥ 0, θ ∈ [0, π) (the reflection -x is a term of every point); L = 3 (``capsule1``: the
+    two-layer node kernel, (u_2, h_1) ↦ [Φ⁽¹⁾⁻¹u_2; log|det Φ⁽¹⁾|]): in (t_1, θ_1, t_2, θ_2) with
+    h_1 as above and u_2 = Φ⁽¹⁾h_2 = √t_2 (cos θ_2, sin θ_2), where both layers' softmax cliffs
+    are the planes θ_ℓ ∈ {0, π/4, π/2} (each reflection h_ℓ → -h_ℓ a term of every point).
+    From the initial boxes rows start[i]:start[i+1] of ``boxes`` = [centre (d), half-widths (d)]
+    (the caller chooses them), until Σ|I7 - I5| ≤ tol[i] · mass (whitened, as
     ``integrate_adaptive``).  ``shift`` ≈ the largest
-    log integrand (the sums are kept relative to it).  Moments about ``ref`` (n, 4), as
+    log integrand (the sums are kept relative to it).  Moments about ``ref`` (n, RT), as
     ``integrate`` (Z at the highest peak: moments about a far ω would lose the covariance along a
     near-singular V's thin direction to cancellation)."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef kernel_t f1 = NULL
     cdef Py_ssize_t n = omega.shape[0], i
+    cdef int d = boxes.shape[1] // 2, R = Vinv.shape[1]
     if threads <= 0:
         threads = omp_get_max_threads()
-    if Vinv.shape[1] != 2 or u.shape[1] != 2 or boxes.shape[1] != 4:
-        raise ValueError("integrate_polar_adaptive needs L = 2, T = 2 and boxes of 4 values")
+    if u.shape[1] != 2 or not ((R == 2 and d == 2) or (R == 3 and d == 4 and capsule1 is not None)):
+        raise ValueError("integrate_polar_adaptive needs T = 2 and L = 2 (boxes of 4 values) or "
+                         "L = 3 (boxes of 8 values and capsule1)")
+    if d == 4:
+        f1 = <kernel_t> PyCapsule_GetPointer(capsule1, "smi_kernel")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_adaptive_sample(f, &params[0], &u[i, 0], &omega[i, 0], &ref[i, 0], &Vinv[i, 0, 0], const0[i],
-                                   shift[i], &boxes[start[i], 0], start[i + 1] - start[i],
+            _polar_adaptive_sample(f, f1, &params[0], &u[i, 0], &omega[i, 0], &ref[i, 0], &Vinv[i, 0, 0], const0[i],
+                                   shift[i], &boxes[start[i], 0], start[i + 1] - start[i], d, R,
                                    &whiten[i, 0, 0], tol[i], max_regions, &log_z[i], &mean[i, 0],
                                    &second[i, 0, 0], &used[i], &achieved[i])
 
 
-cdef void _polar_adaptive_sample(kernel_t f, const double* par, const double* u, const double* omega,
+cdef void _polar_adaptive_sample(kernel_t f, kernel_t f1, const double* par, const double* u, const double* omega,
                                  const double* ref, const double* Vinv, double const0, double shift,
-                                 const double* boxes, Py_ssize_t nb, const double* whiten, double tol,
-                                 int max_regions, double* log_z, double* mean, double* second,
+                                 const double* boxes, Py_ssize_t nb, int d, int R, const double* whiten,
+                                 double tol, int max_regions, double* log_z, double* mean, double* second,
                                  int* used, double* achieved) noexcept nogil:
     cdef Site s
     cdef Py_ssize_t k
+    cdef int i
     cdef double logh = 0.0
-    cdef double* ch = <double*> malloc(4 * nb * sizeof(double))
+    cdef double* ch = <double*> malloc(2 * d * nb * sizeof(double))
     cdef int* piece = <int*> malloc(nb * sizeof(int))
     cdef double* work = _site_init(&s, 0, f, par, u, 2, omega, Vinv, const0, NULL, NULL, NULL,
-                                   &logh, 1, 2, ref, 2, 2, 3, 0.0)
-    s.polar, s.shift = 1, shift
+                                   &logh, 1, d, ref, R, 2, 3, 0.0)
+    s.polar, s.shift, s.f1 = 1, shift, f1
     for k in range(nb):
-        ch[2 * k], ch[2 * k + 1] = boxes[4 * k], boxes[4 * k + 1]
-        ch[2 * nb + 2 * k], ch[2 * nb + 2 * k + 1] = boxes[4 * k + 2], boxes[4 * k + 3]
+        for i in range(d):
+            ch[d * k + i] = boxes[2 * d * k + i]
+            ch[d * nb + d * k + i] = boxes[2 * d * k + d + i]
         piece[k] = 0
-    _adaptive_regions(&s, whiten, ch, ch + 2 * nb, piece, <int> nb, tol, max_regions,
+    _adaptive_regions(&s, whiten, ch, ch + d * nb, piece, <int> nb, tol, max_regions,
                       log_z, mean, second, used, achieved)
     free(ch)
     free(piece)

@@ -69,6 +69,7 @@ class PolarRule:
                  bin=0.25, pr=0.5, blend=0.0, capk=0.0)
     POLAR_BY_LAYERS = {}                # per depth L: changes to POLAR (``_polar_params``)
     POLAR_MIN_SD = 0.2
+    _polar_stall = None                 # see ``_polar``
     POLAR_CHUNK = {2: 256, 4: 8}        # groups per pass by dimension (bounded memory: 4-D rules
                                         # have ≈ 10⁴–10⁵ nodes each)
     POLAR_NODE_CHUNK = 1 << 15          # nodes set up at a time (the temporaries stay in cache)
@@ -270,7 +271,8 @@ class PolarRule:
     def _polar(self, y, omega, V, Vinv, logdetV):
         """The polar rule at ``nodes`` (scaled by ``_polar_scale``).  Error: the difference to
         the rule with counts / 1.5; with a target (``tol``), counts grow by 1.5 (the previous
-        rule as the coarse one) up to three times while the estimate is above it.  Returns
+        rule as the coarse one) up to three times while the estimate is above it (and, where
+        ``_polar_stall`` is set, fell in the last round below that fraction of its previous value).  Returns
         (log_z, E[Z], Cov[Z], error)."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._polar_input(y))
@@ -282,14 +284,18 @@ class PolarRule:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         target = self._polar_target()
+        going = np.ones(n, dtype=bool)
         for _ in range(3 if target is not None else 0):
-            redo = np.flatnonzero(~(error <= target))
+            redo = np.flatnonzero(~(error <= target) & going)
             if not redo.size:
                 break
             scale *= 1.5
             finer = self._polar_run(u[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo], scale)
+            before = error[redo]
             error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
                                        Vinv[redo], ref[redo])
+            if self._polar_stall is not None:       # not converging: left to the caller's adaptive rule
+                going[redo] = ~(error[redo] > self._polar_stall * before)
             for a, b in zip(fine, finer):
                 a[redo] = b
         log_z, mean, second = fine
