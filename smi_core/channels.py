@@ -618,14 +618,23 @@ class ReparamChannel(PolarRule, Channel):
         best = np.argmax(logf, axis=1)              # moments about Z at the highest peak
         ref = np.where(found[:, None], self._point(u, peaks[np.arange(n), best], signs[np.arange(n), best]),
                        omega.reshape(n, 4))
-        log_z, mean, second = np.empty(n), np.empty((n, 4)), np.empty((n, 4, 4))
+        return self._polar_adaptive(u, omega, V, Vinv, const0, ref, shift, boxes, start, tol,
+                                    max_regions or self.PINNED["max_regions"])
+
+    def _polar_adaptive(self, u, omega, V, Vinv, const0, ref, shift, boxes, start, tol, max_regions,
+                        capsule1=None):
+        """``_quadrature.integrate_polar_adaptive`` from the initial ``boxes`` (rows
+        start[i]:start[i+1] per sample) to ``tol`` (a number or one per sample), moments about
+        ``ref`` whitened by V's Cholesky factor.  Returns (log_z, E[Z], Cov[Z], the estimate)."""
+        n, RT = len(omega), V.shape[1] * self.T
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
         _quadrature.integrate_polar_adaptive(self._node_kernel.capsule(), self.model.params, u,
-                                             np.ascontiguousarray(omega.reshape(n, 4)), np.ascontiguousarray(ref),
-                                             Vinv, const0, shift, boxes, start, _whitening(V, 2),
-                                             np.broadcast_to(np.asarray(tol, float), n).copy(),
-                                             max_regions or self.PINNED["max_regions"],
-                                             log_z, mean, second, used, achieved, self.threads)
+                                             np.ascontiguousarray(omega.reshape(n, RT)), np.ascontiguousarray(ref),
+                                             Vinv, const0, np.ascontiguousarray(shift, dtype=float), boxes, start,
+                                             _whitening(V, self.T), np.broadcast_to(np.asarray(tol, float), n).copy(),
+                                             max_regions, log_z, mean, second, used, achieved, self.threads,
+                                             capsule1=capsule1)
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
 
     # -- L = 3, T = 2 with ``tol``: four-dimensional adaptive cubature ------------------------
@@ -652,17 +661,9 @@ class ReparamChannel(PolarRule, Channel):
             i1, i2 = (a.ravel() for a in np.meshgrid(np.arange(len(b1)), np.arange(len(b2)), indexing="ij"))
             rows.append(np.concatenate([b1[i1, :2], b2[i2, :2], b1[i1, 2:], b2[i2, 2:]], axis=1))
             start.append(start[-1] + len(rows[-1]))
-        const0 = -(3 * np.log(2 * np.pi) + logdetV)
-        log_z, mean, second = np.empty(n), np.empty((n, 6)), np.empty((n, 6, 6))
-        used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
-        _quadrature.integrate_polar_adaptive(self._node_kernel.capsule(), self.model.params, u,
-                                             np.ascontiguousarray(omega.reshape(n, 6)), np.ascontiguousarray(ref),
-                                             Vinv, const0, np.ascontiguousarray(shift, dtype=float),
-                                             np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64),
-                                             _whitening(V, 2), np.full(n, float(self.tol)),
-                                             self.PINNED3["max_regions"], log_z, mean, second, used, achieved,
-                                             self.threads, capsule1=self._phi1_kernel.capsule())
-        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
+        return self._polar_adaptive(u, omega, V, Vinv, -(3 * np.log(2 * np.pi) + logdetV), ref, shift,
+                                    np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64),
+                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule())
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask: softmax outputs whose pre-image ±u_L float64 determines (not an entry
