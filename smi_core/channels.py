@@ -458,10 +458,12 @@ class ReparamChannel(PolarRule, Channel):
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
         it are integrated again by the adaptive rule (``_pinned``), kept where its estimate is
-        lower.  L = 3 with ``tol``: samples above it are integrated again by the four-dimensional
-        adaptive rule (``_pinned3``), kept where its estimate is lower."""
+        lower.  L = 3 with ``tol``: samples above max(tol, PINNED3["floor"]) are integrated again
+        by the four-dimensional adaptive rule (``_pinned3``), kept where its estimate is lower."""
         log_z, mean, cov, error = super()._polar(y, omega, V, Vinv, logdetV)
         target = self._polar_target()
+        if target is not None and self.model.layers == 3:
+            target = max(target, self.PINNED3["floor"])
         redo = np.flatnonzero(error > target) if target is not None else []
         if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
             rule = self._pinned if self.model.layers == 2 else partial(self._pinned3, ref=mean[redo],
@@ -638,7 +640,10 @@ class ReparamChannel(PolarRule, Channel):
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
 
     # -- L = 3, T = 2 with ``tol``: four-dimensional adaptive cubature ------------------------
-    PINNED3 = dict(grid=(6, 8), grade=12, reach=8.0, max_regions=500000)
+    # floor: below it the polar rule's stalled estimate beats what the adaptive rule reaches with
+    # max_regions boxes (broad draws, q = 0, tol = 1e-7: polar 8.3e-7 … 1.2e-6, the adaptive rule
+    # 3.4e-6 … 3.7e-6 after 25 s), so only samples above max(tol, floor) take it.
+    PINNED3 = dict(grid=(6, 8), grade=12, reach=8.0, max_regions=500000, floor=1e-5)
 
     def _pinned3(self, y, omega, V, Vinv, logdetV, ref, shift):
         """Adaptive Genz–Malik cubature in (t_1, θ_1, t_2, θ_2): h_1 = √t_1 (cos θ_1, sin θ_1),
