@@ -3,7 +3,9 @@ on one core (best of three, CPU time of this process with threads=1 — run it w
 OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
 layers, and noisy two layers below Δ = 1e-3 (one row for the preimage rule's samples, one for
-the chart rule's, with their shares), with --self-reference K, against the same rule at twice the node counts on K draws.
+the chart rule's, with their shares), with --self-reference K, against the same rule at twice the node counts on K draws
+(with --self-reference-tol TOL instead against the channel at tol=TOL: three layers pinned, where
+the polar rule at twice its counts does not converge).
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -15,6 +17,7 @@ T = 2 ≤ 2 ms per sample at ≤ 1e-4.
     python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
                                   [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
                                   [--routes reparam noisy] [--noise Δ ...] [--self-reference K]
+                                  [--self-reference-tol TOL]
 """
 import argparse
 import sys
@@ -32,7 +35,8 @@ from smi_core.channels import DEFAULT_NODES, NoisyChannel  # noqa: E402
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
     ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"error_estimate": False}, {"tol": 1e-6}]),
-    ("reparam", 3, 2, None, lambda y, o, V: ref.reparam_l3(y, o, V, n=7), [{}, {"error_estimate": False}]),
+    ("reparam", 3, 2, None, lambda y, o, V: ref.reparam_l3(y, o, V, n=7),
+     [{}, {"error_estimate": False}, {"tol": 1e-3}, {"tol": 1e-4}]),
     ("noisy", 1, 2, "Δ", lambda y, o, V, d: ref.noisy_l1(y, o, V, noise=d), [{}, {"error_estimate": False}]),
     ("noisy", 2, 2, "Δ", lambda y, o, V, d: ref.noisy_l2(y, o, V, noise=d), [{}, {"error_estimate": False}]),
 ]
@@ -64,6 +68,8 @@ def main():
                         "chart rule's samples, their shares in the first column): measure the error on K draws against "
                         "the same rule at twice the node counts per dimension (the mpmath reference "
                         "takes minutes per draw)")
+    p.add_argument("--self-reference-tol", type=float, default=None, metavar="TOL",
+                   help="with --self-reference: the reference is the channel at tol=TOL instead")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
@@ -107,8 +113,9 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
     L, T = model.layers, model.tokens
     k = a.l3_reference_samples if four_d else a.reference_samples
     if a.self_reference and (L == 3 or preimage):
-        fine = model.channel(noise=noise, threads=1, error_estimate=False,
-                             nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]).moments(
+        options = (dict(tol=a.self_reference_tol) if a.self_reference_tol else
+                   dict(error_estimate=False, nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]))
+        fine = model.channel(noise=noise, threads=1, **options).moments(
             y[:a.self_reference], omega[:a.self_reference], V)
         refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
     else:
