@@ -77,6 +77,8 @@ def main():
     p.add_argument("--pinned", action="store_true",
                    help="q = diag(0, …, 0, q): the last layer pinned, the earlier ones broad")
     a = p.parse_args()
+    if a.self_reference_tol is not None and not a.self_reference:
+        p.error("--self-reference-tol needs --self-reference K (the draws it is measured on)")
     rng = np.random.default_rng(0)
     print(f"{'route':22s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
