@@ -380,7 +380,15 @@ class ReparamChannel(PolarRule, Channel):
             self._n_node = model.tokens + 1
         if model.layers == 3:               # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
             self._phi1_kernel = _one_layer(model, self.threads, layers=2).kernel("node")
+            if options.get("max_regions") is None:
+                self.max_regions = self.LAPLACE3_REGIONS
         self.model_is_points = model.layers == 1
+
+    # L = 3 on the Laplace path with ``tol``: the adaptive rule's default budget (``max_regions``;
+    # two layers cross-check there with PINNED["cross_regions"]).  A near-singular V (h_1, h_2
+    # correlated 0.98, conditional sd 0.011 / 0.029) at tol = 1e-7: estimate 2.1e-2 with 4 000
+    # regions, 7.2e-5 with 200 000 (11 s), 6.4e-6 with 1 000 000 (46 s), the last two 2.3e-5 apart.
+    LAPLACE3_REGIONS = 200000
 
     # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
     POLAR_SCALE = {2: 1.0, 3: 4 / 7}    # node counts at the default ``nodes``
