@@ -469,7 +469,7 @@ def test_reparam_l3_state_evolution_draws_many(data):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): near-singular V with h_1, h_2 correlated 0.98 (conditional sd 0.011 / 0.029, so the Laplace rule runs): the reference reaches only 1.5e-2 at n = 8 (311 s) and the channel at tol = 1e-7 is 0.18 from it, estimating 2.1e-2 (the three-layer thin ridge; two layers cross-check the Laplace rule by adaptive cubature, three layers have no such rule)")
+@pytest.mark.xfail(strict=False, reason="known defect (issue 3 open): near-singular V with h_1, h_2 correlated 0.98 (conditional sd 0.011 / 0.029, so the Laplace rule runs): the reference reaches only 1.5e-2 at n = 8 (311-819 s) and is 0.19 from the channel at tol = 1e-7 (adaptive rule at its three-layer budget of 200 000 regions: estimate 7.2e-5, 2.3e-5 from 1 000 000 regions), while the Gauss-Hermite tensor rule approaches the channel as its nodes grow (1.45e-4 from it at 80 per dimension): probably the reference is off, but no rule confirms 1e-4")
 @examples(8)
 @given(data=st.data())
 def test_reparam_l3_adversarial(data):
