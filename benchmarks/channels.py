@@ -115,7 +115,7 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
     L, T = model.layers, model.tokens
     k = a.l3_reference_samples if four_d else a.reference_samples
     if a.self_reference and (L == 3 or preimage):
-        options = (dict(tol=a.self_reference_tol) if a.self_reference_tol else
+        options = (dict(tol=a.self_reference_tol) if a.self_reference_tol is not None else
                    dict(error_estimate=False, nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]))
         fine = model.channel(noise=noise, threads=1, **options).moments(
             y[:a.self_reference], omega[:a.self_reference], V)

@@ -378,9 +378,10 @@ class ReparamChannel(PolarRule, Channel):
             self._jac_kernel = model.kernel("node_jacobian")
             self._mixing_kernel = model.kernel("mixing")
             self._n_node = model.tokens + 1
-        if model.layers == 3:               # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
+        if model.layers == 3:
+            # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
             self._phi1_kernel = _one_layer(model, self.threads, layers=2).kernel("node")
-            if options.get("max_regions") is None:
+            if options.get("max_regions") is None:      # the Laplace path's adaptive budget
                 self.max_regions = self.LAPLACE3_REGIONS
         self.model_is_points = model.layers == 1
 
