@@ -681,6 +681,7 @@ IDENTITY_CASES = {
     "L2-scalar": (2, 0.5 * np.eye(2), None, 1e-4),
     "L2-correlated": (2, np.array([[0.7, 0.25], [0.25, 0.4]]), None, 1e-4),
     "L2-small-V": (2, 0.95 * np.eye(2), None, 1e-4),
+    "L3": (3, 0.5 * np.eye(3), None, None),
     "noisy-L1": (1, np.array([[0.5]]), 0.05, 1e-4),
 }
 
