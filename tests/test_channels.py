@@ -731,6 +731,35 @@ def test_layer_flip_symmetry(layers, noise, data):
         assert abs(a.log_z[0] - b.log_z[0]) <= tol * max(1.0, abs(a.log_z[0]))
 
 
+@pytest.mark.parametrize("layers,noise", [(1, None), (2, None), (3, None), (1, 0.1)],
+                         ids=["L1", "L2", "L3", "noisy-L1"])
+@examples(6)
+@given(data=st.data())
+def test_token_swap_symmetry(layers, noise, data):
+    """Swapping the two tokens (the columns of ω, the rows and columns of y) swaps them in the
+    posterior: g_out → g_out[:, ::-1], dg_out → P dg_out P (relative 1e-6; 1e-4 for L = 3).
+    Unlike the flips, this is not a symmetry of the rules' nodes (a cliff a = 0 maps to b = 0, the
+    Cholesky factors of the pieces change), so a rule that misses part of the posterior in
+    one orientation shows here."""
+    d = data.draw(se_draws(layers, correlated=layers > 1, noise=noise))
+    ch = channel(layers, noise=noise)
+    a = ch.moments(d.y[None], d.omega[None], d.V)
+    b = ch.moments(d.y[::-1, ::-1][None], d.omega[:, ::-1][None], d.V)
+    P = np.arange(2 * layers).reshape(layers, 2)[:, ::-1].ravel()
+    err = ref.metric(b.g_out[0], b.dg_out[0], a.g_out[0][:, ::-1], a.dg_out[0][P][:, P])
+    tol = RTOL_L3 if layers == 3 else RTOL
+    assert err <= tol, (err, fmt(d.y), fmt(d.omega), fmt(d.V), a.error, b.error)
+
+
+def test_reparam_l3_tail_beyond_the_laplace_box():
+    """A three-layer draw at q = 0.96·I with y at the softmax edge, where the posterior of h_2
+    has a tail (sd 0.21 against 0.15 at the mode) beyond 8 sd of the mode's piece: the adaptive
+    rule over ±8 of the piece was 1.1e-3 off the reference while estimating 2.0e-5; it now spans
+    ±ADAPTIVE_BOUND (12)."""
+    y, omega, V = se_batch(3, 16, 0.96 * np.eye(3), np.random.default_rng(4))
+    check_l3(Draw(y[4], omega[4], V, "tail", 0.96 * np.eye(3)))
+
+
 # -- the noiseless limit of the noisy route ---------------------------------------------------------------
 
 def test_noisy_route_approaches_reparam_route_one_layer():
