@@ -709,46 +709,49 @@ def test_mean_and_nishimori_identities(case):
 
 # -- symmetry h_ℓ → -h_ℓ ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layers,noise", [(1, None), (2, None), (3, None), (1, 0.1)],
-                         ids=["L1", "L2", "L3", "noisy-L1"])
-@examples(6)
-@given(data=st.data())
-def test_layer_flip_symmetry(layers, noise, data):
-    """Flipping layer ℓ (row ℓ of ω, and V → DVD with D = diag(±1)) leaves y's likelihood
-    unchanged, so g_out → D g_out and dg_out → (D⊗I) dg_out (D⊗I) (relative 1e-6; 1e-4 for L = 3)."""
-    d = data.draw(se_draws(layers, correlated=layers > 1, noise=noise))
-    layer = data.draw(st.integers(0, layers - 1))
-    D = np.ones(layers)
-    D[layer] = -1
+SYMMETRY_CASES = dict(argnames="layers,noise", argvalues=[(1, None), (2, None), (3, None), (1, 0.1)],
+                      ids=["L1", "L2", "L3", "noisy-L1"])
+
+
+def check_symmetry(layers, noise, d, y2, omega2, V2, P, s):
+    """The moments at (y2, ω2, V2) are those at the draw d moved by the signed permutation
+    (P, s) of the entries a·T + t: g_out → s·g_out[P], dg_out → (s sᵀ)·dg_out[P, P] (relative
+    1e-6; 1e-4 for L = 3), and log Z_out is unchanged (noisy route: exact there)."""
     ch = channel(layers, noise=noise)
     a = ch.moments(d.y[None], d.omega[None], d.V)
-    b = ch.moments(d.y[None], (D[:, None] * d.omega)[None], D[:, None] * d.V * D[None])
-    DD = np.repeat(D, 2)
-    err = ref.metric(b.g_out[0], b.dg_out[0], D[:, None] * a.g_out[0], DD[:, None] * a.dg_out[0] * DD[None])
+    b = ch.moments(y2[None], omega2[None], V2)
+    g = (s * a.g_out[0].ravel()[P]).reshape(layers, 2)
+    err = ref.metric(b.g_out[0], b.dg_out[0], g, np.outer(s, s) * a.dg_out[0][P][:, P])
     tol = RTOL_L3 if layers == 3 else RTOL
-    assert err <= tol, (layer, err, fmt(d.y), fmt(d.omega), fmt(d.V), a.error, b.error)
+    assert err <= tol, (err, fmt(d.y), fmt(d.omega), fmt(d.V), a.error, b.error)
     if noise is not None:
         assert abs(a.log_z[0] - b.log_z[0]) <= tol * max(1.0, abs(a.log_z[0]))
 
 
-@pytest.mark.parametrize("layers,noise", [(1, None), (2, None), (3, None), (1, 0.1)],
-                         ids=["L1", "L2", "L3", "noisy-L1"])
+@pytest.mark.parametrize(**SYMMETRY_CASES)
+@examples(6)
+@given(data=st.data())
+def test_layer_flip_symmetry(layers, noise, data):
+    """Flipping layer ℓ (row ℓ of ω, and V → DVD with D = diag(±1)) leaves y's likelihood
+    unchanged, so g_out → D g_out and dg_out → (D⊗I) dg_out (D⊗I)."""
+    d = data.draw(se_draws(layers, correlated=layers > 1, noise=noise))
+    D = np.ones(layers)
+    D[data.draw(st.integers(0, layers - 1))] = -1
+    check_symmetry(layers, noise, d, d.y, D[:, None] * d.omega, D[:, None] * d.V * D[None],
+                   np.arange(2 * layers), np.repeat(D, 2))
+
+
+@pytest.mark.parametrize(**SYMMETRY_CASES)
 @examples(6)
 @given(data=st.data())
 def test_token_swap_symmetry(layers, noise, data):
     """Swapping the two tokens (the columns of ω, the rows and columns of y) swaps them in the
-    posterior: g_out → g_out[:, ::-1], dg_out → P dg_out P (relative 1e-6; 1e-4 for L = 3).
-    Unlike the flips, this is not a symmetry of the rules' nodes (a cliff a = 0 maps to b = 0, the
-    Cholesky factors of the pieces change), so a rule that misses part of the posterior in
-    one orientation shows here."""
+    posterior.  Unlike the flips, this is not a symmetry of the rules' nodes (a cliff a = 0 maps
+    to b = 0, the Cholesky factors of the pieces change), so a rule that misses part of the
+    posterior in one orientation shows here."""
     d = data.draw(se_draws(layers, correlated=layers > 1, noise=noise))
-    ch = channel(layers, noise=noise)
-    a = ch.moments(d.y[None], d.omega[None], d.V)
-    b = ch.moments(d.y[::-1, ::-1][None], d.omega[:, ::-1][None], d.V)
-    P = np.arange(2 * layers).reshape(layers, 2)[:, ::-1].ravel()
-    err = ref.metric(b.g_out[0], b.dg_out[0], a.g_out[0][:, ::-1], a.dg_out[0][P][:, P])
-    tol = RTOL_L3 if layers == 3 else RTOL
-    assert err <= tol, (err, fmt(d.y), fmt(d.omega), fmt(d.V), a.error, b.error)
+    check_symmetry(layers, noise, d, d.y[::-1, ::-1], d.omega[:, ::-1], d.V,
+                   np.arange(2 * layers).reshape(layers, 2)[:, ::-1].ravel(), np.ones(2 * layers))
 
 
 def test_reparam_l3_tail_beyond_the_laplace_box():
