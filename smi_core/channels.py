@@ -292,10 +292,10 @@ def _entries(m):
     return np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1)
 
 
-def _one_layer(model, threads, layers=1):
-    """The one-layer model of ``model``'s last softmax, u ↦ σ_β(u uᵀ) (its reparametrisation
-    gives u_L from y), on the channel's threads; ``layers=2``: the two-layer model of its first
-    two layers (its node kernel gives Φ⁽¹⁾⁻¹u_2)."""
+def _shallow(model, threads, layers):
+    """``model`` cut to its first ``layers`` layers (same T, skip, β, backend), on the channel's
+    threads: with one layer, u ↦ σ_β(u uᵀ), the last softmax (its reparametrisation gives u_L
+    from y); with two, its node kernel gives Φ⁽¹⁾⁻¹u_2."""
     from .models import DeepAttention
     return DeepAttention(layers, model.tokens, 1, skip=model.skip, beta=model.beta, backend=model.backend,
                          threads=threads or model._threads or None)
@@ -379,7 +379,7 @@ class ReparamChannel(PolarRule, Channel):
                              "use noise=Δ > 0 for the noisy route")
         super().__init__(model, **options)
         self.escalate = self.PINNED["escalate"] if escalate is None else validate.positive("escalate", escalate)
-        self._u_model = _one_layer(model, self.threads)
+        self._u_model = _shallow(model, self.threads, 1)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
@@ -387,7 +387,7 @@ class ReparamChannel(PolarRule, Channel):
             self._n_node = model.tokens + 1
         if model.layers == 3:
             # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
-            self._phi1_kernel = _one_layer(model, self.threads, layers=2).kernel("node")
+            self._phi1_kernel = _shallow(model, self.threads, 2).kernel("node")
             if options.get("max_regions") is None:      # the Laplace path's adaptive budget
                 self.max_regions = self.LAPLACE3_REGIONS
         self.model_is_points = model.layers == 1
@@ -777,7 +777,7 @@ class NoisyChannel(PolarRule, Channel):
         self._preimage = attention and self._delta < self.POLAR_MIN_NOISE[model.layers]
         self._polar_applies = attention and (self._preimage or self._delta >= self.POLAR_MIN_NOISE[model.layers])
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
-            self._u_model = _one_layer(model, self.threads)
+            self._u_model = _shallow(model, self.threads, 1)
             self._u_jacobian = self._u_model.kernel("jacobian")
             self._u_reparam = self._u_model.kernel("reparam")
             if model.layers == 2:
