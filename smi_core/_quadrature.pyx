@@ -26,7 +26,7 @@ caller chose; the same ``_place`` and ``_terms``, in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport cos, exp, fabs, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
+from libc.math cimport cos, exp, fabs, fmax, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
@@ -870,6 +870,19 @@ cdef struct Problem:
     double* work            # scratch: node_in (n_data + d), node_out, Z, r, Pr, D (RT×d), PD (RT×d)
 
 
+cdef inline void _per_token_left(const double* M, int R, int T, const double* X, int m, double* out) noexcept nogil:
+    """out = (M ⊗ I_T) X for X of RT rows (index a·T + t) and m columns, M R × R."""
+    cdef int a, b, t, j
+    cdef double acc
+    for a in range(R):
+        for t in range(T):
+            for j in range(m):
+                acc = 0.0
+                for b in range(R):
+                    acc += M[a * R + b] * X[(b * T + t) * m + j]
+                out[(a * T + t) * m + j] = acc
+
+
 cdef double _evaluate(Problem* p, const double* x, double sign, double* grad, double* H) noexcept nogil:
     """log f(x), its gradient and the Gauss–Newton Hessian Dᵀ P D (+ JᵀJ/Δ), P = V⁻¹ ⊗ I_T."""
     cdef int R = p.R, T = p.T, d = p.d, RT = p.R * p.T, k = p.n_node, i, j, a, b, t
@@ -900,12 +913,7 @@ cdef double _evaluate(Problem* p, const double* x, double sign, double* grad, do
             Z[i] = x[i]
     for i in range(RT):
         r[i] = Z[i] - p.omega[i]
-    for a in range(R):
-        for t in range(T):
-            acc = 0.0
-            for b in range(R):
-                acc += p.Vinv[a * R + b] * r[b * T + t]
-            Pr[a * T + t] = acc
+    _per_token_left(p.Vinv, R, T, r, 1, Pr)
     logf = p.const0
     for i in range(RT):
         logf -= 0.5 * r[i] * Pr[i]
@@ -915,13 +923,7 @@ cdef double _evaluate(Problem* p, const double* x, double sign, double* grad, do
             grad[j] = -out[T + 1 + T * d + j]
             for i in range(RT):
                 grad[j] -= D[i * d + j] * Pr[i]
-        for a in range(R):
-            for t in range(T):
-                for j in range(d):
-                    acc = 0.0
-                    for b in range(R):
-                        acc += p.Vinv[a * R + b] * D[(b * T + t) * d + j]
-                    PD[(a * T + t) * d + j] = acc
+        _per_token_left(p.Vinv, R, T, D, d, PD)
         for i in range(d):
             for j in range(d):
                 acc = 0.0
@@ -1224,13 +1226,43 @@ cdef void _adaptive_one(Site* s, const double* whiten, double bound, double tol,
     free(piece)
 
 
+cdef double _kappa(Site* s, const double* V, double amp, const double* tot, double* work) noexcept nogil:
+    """κ = max(1, amp / M), M the largest entry of (g_out, dg_out) from the moment sums ``tot``
+    (about s.ref; upper triangle of the second moments), amp = max(λ_min(V)^-½, λ_min(V)⁻¹): an
+    error ε·mass in the whitened moments moves the metric (relative to M) by ≤ εκ
+    (``channels._amplification``).  ``work``: 2 RT² values."""
+    cdef int R = s.R, T = s.T, RT = R * T, i, j
+    cdef double M = 0.0, x
+    cdef double* D = work
+    cdef double* PD = work + RT * RT
+    for i in range(RT):                     # g_out = (V⁻¹ ⊗ I)(E[Z] - ω)
+        D[i] = s.ref[i] + tot[1 + i] / tot[0] - s.omega[i]
+    _per_token_left(s.Vinv, R, T, D, 1, PD)
+    for i in range(RT):
+        M = fmax(M, fabs(PD[i]))
+    for i in range(RT):                     # D = Cov - V ⊗ I
+        for j in range(i, RT):
+            x = tot[1 + RT + i * RT + j] / tot[0] - tot[1 + i] * tot[1 + j] / (tot[0] * tot[0])
+            if i % T == j % T:
+                x -= V[(i // T) * R + j // T]
+            D[i * RT + j] = D[j * RT + i] = x
+    _per_token_left(s.Vinv, R, T, D, RT, PD)      # dg_out = (V⁻¹ ⊗ I) D (V⁻¹ ⊗ I), D symmetric:
+    for i in range(RT):                             # its rows are (V⁻¹ ⊗ I) applied to PD's rows
+        _per_token_left(s.Vinv, R, T, PD + i * RT, 1, D)
+        for j in range(RT):
+            M = fmax(M, fabs(D[j]))
+    return fmax(1.0, amp / fmax(M, 1e-300))
+
+
 cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, const double* h0,
                             const int* piece, int n0, double tol, int max_regions,
                             double* log_z, double* mean, double* second, int* used,
-                            double* achieved) noexcept nogil:
+                            double* achieved, const double* V=NULL, double amp=0.0) noexcept nogil:
     """Globally adaptive Genz–Malik cubature from the n0 boxes c0 ± h0 (of pieces ``piece``):
     bisect the box of largest error along its axis of largest fourth difference until
-    Σ|I7 - I5| ≤ tol · mass or max_regions is reached."""
+    Σ|I7 - I5| ≤ tol · mass or max_regions is reached.  With ``V`` (R × R): until
+    κ Σ|I7 - I5| ≤ tol · mass, κ (``_kappa``) from the running sums, so that tol bounds the
+    metric of (g_out, dg_out) rather than the whitened moments; ``achieved`` is then κ Σ|I7 - I5| / mass."""
     cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, m, k, i, j, count = 0, best, ax
     cdef double* rc = <double*> malloc(max_regions * (2 * d + 1 + n) * sizeof(double))
     cdef double* rh = rc + max_regions * d
@@ -1241,7 +1273,10 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
     cdef int* heap = raxis + max_regions
     cdef int size = 0
     cdef double* scratch = <double*> malloc((n + d + 2 * RT * RT) * sizeof(double))
-    cdef double err_total = 0.0, mass = 0.0
+    cdef double err_total = 0.0, mass = 0.0, kappa = 1.0
+    cdef double* tot = <double*> malloc((n + 2 * RT * RT) * sizeof(double))      # running sums, work
+    for i in range(n):
+        tot[i] = 0.0
     for k in range(min(n0, max_regions)):
         for i in range(d):
             rc[count * d + i] = c0[k * d + i]
@@ -1250,14 +1285,20 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
         rerr[count] = _region(s, rm[count], rc + count * d, rh + count * d, rS + count * n, scratch, whiten, raxis + count)
         err_total += rerr[count]
         mass += rS[count * n]
+        for i in range(n):
+            tot[i] += rS[count * n + i]
         count += 1
     for k in range(count):
         _heap_push(heap, &size, rerr, k)
-    while err_total > tol * fabs(mass) and count < max_regions:
+    if V != NULL:
+        kappa = _kappa(s, V, amp, tot, scratch + n + d)
+    while err_total * kappa > tol * fabs(mass) and count < max_regions:
         best = _heap_pop(heap, &size, rerr)
         ax = raxis[best]
         err_total -= rerr[best]
         mass -= rS[best * n]
+        for i in range(n):
+            tot[i] -= rS[best * n + i]
         rh[best * d + ax] *= 0.5
         for i in range(d):
             rc[count * d + i] = rc[best * d + i]
@@ -1271,7 +1312,11 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
             rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, whiten, raxis + k)
             err_total += rerr[k]
             mass += rS[k * n]
+            for i in range(n):
+                tot[i] += rS[k * n + i]
             _heap_push(heap, &size, rerr, k)
+        if V != NULL:
+            kappa = _kappa(s, V, amp, tot, scratch + n + d)
     for i in range(n):
         scratch[i] = 0.0
     for k in range(count):
@@ -1284,7 +1329,10 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
             second[i * RT + j] = scratch[1 + RT + i * RT + j] / scratch[0]
             second[j * RT + i] = second[i * RT + j]
     used[0] = count
-    achieved[0] = err_total / fabs(mass)
+    if V != NULL:
+        kappa = _kappa(s, V, amp, scratch, tot + n)
+    achieved[0] = err_total * kappa / fabs(mass)
+    free(tot)
     free(rc)
     free(rm)
     free(scratch)
@@ -1336,7 +1384,8 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
                              const double[:, ::1] boxes, const long[::1] start,
                              const double[:, :, ::1] whiten, const double[::1] tol, int max_regions,
                              double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
-                             int[::1] used, double[::1] achieved, int threads=0, capsule1=None):
+                             int[::1] used, double[::1] achieved, int threads=0, capsule1=None,
+                             const double[:, :, ::1] V=None, const double[::1] amp=None):
     """Route 0, T = 2, L = 2: adaptive Genz–Malik cubature in x = h_1 = √t (cos θ, sin θ) over
     t ≥ 0, θ ∈ [0, π) (the reflection -x is a term of every point); L = 3 (``capsule1``: the
     two-layer node kernel, (u_2, h_1) ↦ [Φ⁽¹⁾⁻¹u_2; log|det Φ⁽¹⁾|]): in (t_1, θ_1, t_2, θ_2) with
@@ -1347,9 +1396,11 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
     ``integrate_adaptive``).  ``shift`` ≈ the largest
     log integrand (the sums are kept relative to it).  Moments about ``ref`` (n, RT), as
     ``integrate`` (Z at the highest peak: moments about a far ω would lose the covariance along a
-    near-singular V's thin direction to cancellation)."""
+    near-singular V's thin direction to cancellation).  With ``V`` (n, R, R) and ``amp`` (n,):
+    tol bounds the metric of (g_out, dg_out) instead (``_adaptive_regions``)."""
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef kernel_t f1 = NULL
+    cdef bint metric = V is not None
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int d = boxes.shape[1] // 2, R = Vinv.shape[1]
     if threads <= 0:
@@ -1364,14 +1415,15 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
             _polar_adaptive_sample(f, f1, &params[0], &u[i, 0], &omega[i, 0], &ref[i, 0], &Vinv[i, 0, 0], const0[i],
                                    shift[i], &boxes[start[i], 0], start[i + 1] - start[i], d, R,
                                    &whiten[i, 0, 0], tol[i], max_regions, &log_z[i], &mean[i, 0],
-                                   &second[i, 0, 0], &used[i], &achieved[i])
+                                   &second[i, 0, 0], &used[i], &achieved[i],
+                                   &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0)
 
 
 cdef void _polar_adaptive_sample(kernel_t f, kernel_t f1, const double* par, const double* u, const double* omega,
                                  const double* ref, const double* Vinv, double const0, double shift,
                                  const double* boxes, Py_ssize_t nb, int d, int R, const double* whiten,
                                  double tol, int max_regions, double* log_z, double* mean, double* second,
-                                 int* used, double* achieved) noexcept nogil:
+                                 int* used, double* achieved, const double* V, double amp) noexcept nogil:
     cdef Site s
     cdef Py_ssize_t k
     cdef int i
@@ -1387,7 +1439,7 @@ cdef void _polar_adaptive_sample(kernel_t f, kernel_t f1, const double* par, con
             ch[d * nb + d * k + i] = boxes[2 * d * k + d + i]
         piece[k] = 0
     _adaptive_regions(&s, whiten, ch, ch + d * nb, piece, <int> nb, tol, max_regions,
-                      log_z, mean, second, used, achieved)
+                      log_z, mean, second, used, achieved, V, amp)
     free(ch)
     free(piece)
     free(work)

@@ -268,10 +268,15 @@ def _amplification(V, moments):
     entry M of g_out, dg_out) by ≤ ε κ with κ = max(λ_min^-½, λ_min⁻¹)/M.  Large where V is
     near-singular and y barely informative along its thin direction (M ≪ ‖V⁻¹‖: dg_out is a
     difference of nearly equal terms)."""
-    lam = np.linalg.eigvalsh(V)[:, 0]
     size = np.abs(_entries(moments)).max(axis=1)
     with np.errstate(divide="ignore"):
-        return np.maximum(1.0, np.maximum(lam ** -0.5, 1.0 / lam) / size)
+        return np.maximum(1.0, _amp(V) / size)
+
+
+def _amp(V):
+    """max(λ_min(V)^-½, λ_min(V)⁻¹) per sample: κ's numerator (``_amplification``)."""
+    lam = np.linalg.eigvalsh(V)[:, 0]
+    return np.maximum(lam ** -0.5, 1.0 / lam)
 
 
 def _whitening(V, T):
@@ -492,11 +497,11 @@ class ReparamChannel(PolarRule, Channel):
 
     def _laplace(self, y, omega, V, Vinv, logdetV):
         """The Laplace rule (``Channel._laplace``); L = 2 with ``tol``: every sample is integrated
-        again by the adaptive rule (``_pinned``) at tol·PINNED["cross"]/κ (``_amplification``
-        of the Laplace moments; up to PINNED["cross_regions"] regions), whose result is kept;
-        the error is the larger of its estimate·κ / PINNED["cross"] and the difference between
-        the two rules (κ: on a near-singular draw with y uninformative along V's thin direction,
-        κ ≈ 3e3, the rule at tol·PINNED["cross"] alone was 4.5e-6 off, now 1.1e-8).  The
+        again by the adaptive rule (``_pinned``, whose estimate includes κ) at tol·PINNED["cross"]
+        (up to PINNED["cross_regions"] regions), whose result is kept; the error is the larger of
+        its estimate / PINNED["cross"] and the difference between the two rules (κ: on a
+        near-singular draw with y uninformative along V's thin direction, κ ≈ 3e3, the rule at
+        tol·PINNED["cross"] without κ was 4.5e-6 off, with it 1.1e-8).  The
         Laplace rule's estimate (the difference of two Gauss–Hermite rules) misses a posterior
         that is a thin curved ridge (near-singular V at an angle to the layers): on such draws
         it was off by 1.3e-6 to 9e-6 while estimating 1e-9 to 1e-7; the adaptive rule at 1e-9
@@ -507,11 +512,10 @@ class ReparamChannel(PolarRule, Channel):
             return out
         cross = self.PINNED["cross"]
         laplace = self._assemble(omega, V, Vinv, *out[:3], None, check=False)
-        kappa = _amplification(V, laplace)
-        better = self._pinned(y, omega, V, Vinv, logdetV, tol=self.tol * cross / kappa,
+        better = self._pinned(y, omega, V, Vinv, logdetV, tol=self.tol * cross,
                               max_regions=self.PINNED["cross_regions"])
         differ = _spread_of([laplace, self._assemble(omega, V, Vinv, *better[:3], None, check=False)])
-        return (*better[:3], np.maximum(better[3] * kappa / cross, differ))
+        return (*better[:3], np.maximum(better[3] / cross, differ))
 
     # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
     PINNED = dict(escalate=1e-5, tol=1e-5, grid=(8, 8), reach=8.0, max_regions=20000, depth=40, floor=30.0,
@@ -621,8 +625,10 @@ class ReparamChannel(PolarRule, Channel):
         is smooth (dh_1 = ½ dt dθ) and the softmax cliffs are lines θ = const
         (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
         (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; default:
-        the channel's, else PINNED["tol"]) in Σ|I7 - I5| / mass of the moments whitened by V's
-        Cholesky factor; that ratio is the error estimate."""
+        the channel's, else PINNED["tol"]) in κ Σ|I7 - I5| / mass of the moments whitened by V's
+        Cholesky factor, κ (``_amplification``) from the running sums: that bounds the metric of
+        (g_out, dg_out), and is the error estimate (without κ, on 48 state-evolution draws at
+        q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
         n = len(omega)
         if tol is None:
             tol = self.tol or self.PINNED["tol"]
@@ -637,13 +643,14 @@ class ReparamChannel(PolarRule, Channel):
         ref = np.where(found[:, None], self._point(u, peaks[np.arange(n), best], signs[np.arange(n), best]),
                        omega.reshape(n, 4))
         return self._polar_adaptive(u, omega, V, Vinv, const0, ref, shift, boxes, start, tol,
-                                    max_regions or self.PINNED["max_regions"])
+                                    max_regions or self.PINNED["max_regions"], metric=True)
 
     def _polar_adaptive(self, u, omega, V, Vinv, const0, ref, shift, boxes, start, tol, max_regions,
-                        capsule1=None):
+                        capsule1=None, metric=False):
         """``_quadrature.integrate_polar_adaptive`` from the initial ``boxes`` (rows
         start[i]:start[i+1] per sample) to ``tol`` (a number or one per sample), moments about
-        ``ref`` whitened by V's Cholesky factor.  Returns (log_z, E[Z], Cov[Z], the estimate)."""
+        ``ref`` whitened by V's Cholesky factor (``metric``: times κ, see ``_pinned``).  Returns
+        (log_z, E[Z], Cov[Z], the estimate)."""
         n, RT = len(omega), V.shape[1] * self.T
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
@@ -652,7 +659,8 @@ class ReparamChannel(PolarRule, Channel):
                                              Vinv, const0, np.ascontiguousarray(shift, dtype=float), boxes, start,
                                              _whitening(V, self.T), np.broadcast_to(np.asarray(tol, float), n).copy(),
                                              max_regions, log_z, mean, second, used, achieved, self.threads,
-                                             capsule1=capsule1)
+                                             capsule1=capsule1, V=np.ascontiguousarray(V) if metric else None,
+                                             amp=_amp(V) if metric else None)
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
 
     # -- L = 3, T = 2 with ``tol``: four-dimensional adaptive cubature ------------------------
