@@ -1230,7 +1230,7 @@ cdef double _kappa(Site* s, const double* V, double amp, const double* tot, doub
     """κ = max(1, amp / M), M the largest entry of (g_out, dg_out) from the moment sums ``tot``
     (about s.ref; upper triangle of the second moments), amp = max(λ_min(V)^-½, λ_min(V)⁻¹): an
     error ε·mass in the whitened moments moves the metric (relative to M) by ≤ εκ
-    (``channels._amplification``).  ``work``: 2 RT² values."""
+    (``channels._amp``).  ``work``: 2 RT² values."""
     cdef int R = s.R, T = s.T, RT = R * T, i, j
     cdef double M = 0.0, x
     cdef double* D = work

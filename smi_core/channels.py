@@ -262,19 +262,13 @@ def _spread_of(moments):
     return spread.max(axis=1) / np.where(scale > 0, scale, 1.0)
 
 
-def _amplification(V, moments):
-    """κ ≥ 1 per sample: an error ε·mass in the moments whitened by V's Cholesky factor moves
-    g_out by ≤ ε/√λ_min(V) and dg_out by ≤ ε/λ_min(V), i.e. the metric (relative to the largest
-    entry M of g_out, dg_out) by ≤ ε κ with κ = max(λ_min^-½, λ_min⁻¹)/M.  Large where V is
+def _amp(V):
+    """max(λ_min(V)^-½, λ_min(V)⁻¹) per sample, the numerator of κ = max(1, amp / M): an error
+    ε·mass in the moments whitened by V's Cholesky factor moves g_out by ≤ ε/√λ_min(V) and
+    dg_out by ≤ ε/λ_min(V), i.e. the metric (relative to the largest entry M of g_out, dg_out)
+    by ≤ ε κ (the adaptive rule's stopping test, ``_quadrature._kappa``).  κ is large where V is
     near-singular and y barely informative along its thin direction (M ≪ ‖V⁻¹‖: dg_out is a
     difference of nearly equal terms)."""
-    size = np.abs(_entries(moments)).max(axis=1)
-    with np.errstate(divide="ignore"):
-        return np.maximum(1.0, _amp(V) / size)
-
-
-def _amp(V):
-    """max(λ_min(V)^-½, λ_min(V)⁻¹) per sample: κ's numerator (``_amplification``)."""
     lam = np.linalg.eigvalsh(V)[:, 0]
     return np.maximum(lam ** -0.5, 1.0 / lam)
 
@@ -626,7 +620,7 @@ class ReparamChannel(PolarRule, Channel):
         (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
         (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; default:
         the channel's, else PINNED["tol"]) in κ Σ|I7 - I5| / mass of the moments whitened by V's
-        Cholesky factor, κ (``_amplification``) from the running sums: that bounds the metric of
+        Cholesky factor, κ (``_amp``) from the running sums: that bounds the metric of
         (g_out, dg_out), and is the error estimate (without κ, on 48 state-evolution draws at
         q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
         n = len(omega)

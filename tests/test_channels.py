@@ -339,7 +339,7 @@ def test_reparam_l2_near_singular_uninformative_draw():
     direction: max|dg_out| = 1.3 against ‖V⁻¹‖ = 5.3e3, so dg_out = V⁻¹(Cov - V)V⁻¹ needs Cov
     to ≈ 1e-13 relative.  With tol = 1e-7 the cross-check's adaptive rule ran to a whitened
     1e-9 and was 4.5e-6 off (its estimate said so); its estimate now includes the
-    amplification κ ≈ 3e3 (``channels._amplification``).  The reference takes 1.5–3 minutes
+    amplification κ ≈ 3e3 (``channels._amp``).  The reference takes 1.5–3 minutes
     here; an independent brute-force rule agrees with it to 4e-10."""
     check_l2(UNINFORMATIVE)
 
@@ -433,7 +433,7 @@ def test_reparam_l2_pinned_estimate_in_the_metric():
     """A state-evolution draw at q = diag(0, 0.999) with y at the softmax edge: the adaptive
     rule stopped at 1e-5 of its whitened moments and was 7.0e-5 off, because the metric
     (relative to max|(g_out, dg_out)|) amplifies those by κ ≈ 250 here; its stopping rule and
-    estimate now include κ (``channels._amplification``)."""
+    estimate now include κ (``channels._amp``)."""
     y = np.array([[9.9999976781660993e-01, 2.3218339013809019e-07],
                   [2.4387625214110212e-05, 9.9997561237478594e-01]])
     omega = np.array([[0.0, 0.0], [1.8211001297812919, -1.319770589391837]])
