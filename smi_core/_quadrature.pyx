@@ -1273,8 +1273,8 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
     cdef int* heap = raxis + max_regions
     cdef int size = 0
     cdef double* scratch = <double*> malloc((n + d + 2 * RT * RT) * sizeof(double))
-    cdef double err_total = 0.0, mass = 0.0, kappa = 1.0
-    cdef double* tot = <double*> malloc((n + 2 * RT * RT) * sizeof(double))      # running sums, work
+    cdef double err_total = 0.0, kappa = 1.0
+    cdef double* tot = <double*> malloc((n + 2 * RT * RT) * sizeof(double))      # running sums (tot[0]: mass), work
     for i in range(n):
         tot[i] = 0.0
     for k in range(min(n0, max_regions)):
@@ -1284,7 +1284,6 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
         rm[count] = piece[k]
         rerr[count] = _region(s, rm[count], rc + count * d, rh + count * d, rS + count * n, scratch, whiten, raxis + count)
         err_total += rerr[count]
-        mass += rS[count * n]
         for i in range(n):
             tot[i] += rS[count * n + i]
         count += 1
@@ -1292,11 +1291,10 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
         _heap_push(heap, &size, rerr, k)
     if V != NULL:
         kappa = _kappa(s, V, amp, tot, scratch + n + d)
-    while err_total * kappa > tol * fabs(mass) and count < max_regions:
+    while err_total * kappa > tol * fabs(tot[0]) and count < max_regions:
         best = _heap_pop(heap, &size, rerr)
         ax = raxis[best]
         err_total -= rerr[best]
-        mass -= rS[best * n]
         for i in range(n):
             tot[i] -= rS[best * n + i]
         rh[best * d + ax] *= 0.5
@@ -1311,7 +1309,6 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
             k = best if j == 0 else count - 1
             rerr[k] = _region(s, rm[k], rc + k * d, rh + k * d, rS + k * n, scratch, whiten, raxis + k)
             err_total += rerr[k]
-            mass += rS[k * n]
             for i in range(n):
                 tot[i] += rS[k * n + i]
             _heap_push(heap, &size, rerr, k)
@@ -1331,7 +1328,7 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
     used[0] = count
     if V != NULL:
         kappa = _kappa(s, V, amp, scratch, tot + n)
-    achieved[0] = err_total * kappa / fabs(mass)
+    achieved[0] = err_total * kappa / fabs(tot[0])
     free(tot)
     free(rc)
     free(rm)
