@@ -4,8 +4,9 @@ OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall t
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
 layers, and noisy two layers below Δ = 1e-3 (one row for the preimage rule's samples, one for
 the chart rule's, with their shares), with --self-reference K, against the same rule at twice the node counts on K draws
-(with --self-reference-tol TOL instead against the channel at tol=TOL: three layers pinned, where
-the polar rule at twice its counts does not converge).
+(with --self-reference-tol TOL instead against the channel at tol=TOL, for every case: three
+layers pinned, where the polar rule at twice its counts does not converge, and two layers
+pinned, on more draws than the mpmath reference affords).
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -69,7 +70,8 @@ def main():
                         "the same rule at twice the node counts per dimension (the mpmath reference "
                         "takes minutes per draw)")
     p.add_argument("--self-reference-tol", type=float, default=None, metavar="TOL",
-                   help="with --self-reference: the reference is the channel at tol=TOL instead")
+                   help="with --self-reference: the reference is the channel at tol=TOL instead, "
+                        "for every case (e.g. two layers pinned on K draws, beyond the few mpmath ones)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
     p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
@@ -114,7 +116,7 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
     """One row per setting for the draws (y, omega, V)."""
     L, T = model.layers, model.tokens
     k = a.l3_reference_samples if four_d else a.reference_samples
-    if a.self_reference and (L == 3 or preimage):
+    if a.self_reference and (L == 3 or preimage or a.self_reference_tol is not None):
         options = (dict(tol=a.self_reference_tol) if a.self_reference_tol is not None else
                    dict(error_estimate=False, nodes=2 * DEFAULT_NODES[4 if L == 3 else 2]))
         fine = model.channel(noise=noise, threads=1, **options).moments(

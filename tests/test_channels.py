@@ -37,7 +37,7 @@ import channel_reference as ref
 from reference import Model
 from smi_core import DeepAttention
 from smi_core import chart
-from smi_core.channels import NoisyChannel, ReparamChannel, _spread_of
+from smi_core.channels import Channel, NoisyChannel, ReparamChannel, _spread_of
 
 RTOL = 1e-6          # L = 1, 2, noisy
 RTOL_L3 = 1e-4       # L = 3
@@ -323,6 +323,31 @@ def test_reparam_l2_cross_check_batch():
         alone = ch.moments(y[i:i + 1], omega[i:i + 1], V)
         np.testing.assert_allclose(batch.dg_out[i], alone.dg_out[0], rtol=1e-12, atol=1e-12 * np.abs(alone.dg_out).max())
         np.testing.assert_allclose(batch.g_out[i], alone.g_out[0], rtol=1e-12, atol=1e-12 * np.abs(alone.g_out).max())
+
+
+EDGE_NARROW = Draw(y=np.array([[0.9999190792054868, 8.092079451306853e-05],
+                               [0.0021690705715755472, 0.9978309294284244]]),
+                   omega=np.array([[1.2064496713466424, -0.19055825686602823],
+                                   [-1.4396973168381253, 1.3344428069513163]]),
+                   V=np.array([[0.06570495311538994, 0.025576060144581265],
+                               [0.025576060144581265, 0.012509342494323084]]), kind="near-singular V")
+
+
+def test_laplace_path_adaptive_rule_starts_fine_enough():
+    """The Laplace path's own adaptive rule (``Channel._laplace``, without the two-layer
+    cross-check; nodes=3 so that Gauss–Hermite leaves the sample to it) on a near-singular V
+    (eigenvalues 2.2e-3, 0.076) with y at the softmax edge: started from the 2^d orthant boxes of
+    each piece it was 2.5e-5 off the reference while estimating 1e-6 (a narrow feature that no
+    starting box's points saw); from 4^d boxes (``ADAPTIVE_SPLIT``) 2.5e-8.  Three layers, T = 3
+    and the noisy route's other links use this rule with ``tol`` without a cross-check."""
+    d = EDGE_NARROW
+    y, omega, V = d.y[None], d.omega[None], d.V[None]
+    ch = model(2).channel(tol=1e-6, nodes=3)
+    Vinv = np.linalg.inv(V)
+    got = ch._assemble(omega, V, Vinv, *Channel._laplace(ch, y, omega, V, Vinv, np.log(np.linalg.det(V))))
+    r = ref.reparam_l2(d.y, d.omega, d.V)
+    err = ref.metric(got.g_out[0], got.dg_out[0], r.g_out, r.dg_out)
+    assert err <= RTOL and err <= got.error[0]
 
 
 UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
