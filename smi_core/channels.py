@@ -676,8 +676,11 @@ class ReparamChannel(PolarRule, Channel):
         u_2 = Φ⁽¹⁾h_2 = √t_2 (cos θ_2, sin θ_2), so that both layers' softmax cliffs are planes
         θ_ℓ = const (``_quadrature.integrate_polar_adaptive``); from the product of each layer's
         ``_cliff_grid`` (PINNED3["grid"]) over t_1 ≤ (|ω_1| + reach √V₁₁)², t_2 ≤ ((c + √2)(|ω_2|
-        + reach √V₂₂))² (‖Φ⁽¹⁾‖ ≤ c + √2), to ``tol`` in κ Σ|I7 - I5| / mass of the moments
-        whitened by V's Cholesky factor, κ as in ``_pinned`` (that is the error estimate).  With the last layer
+        + reach √V₂₂))² (‖Φ⁽¹⁾‖ ≤ c + √2), to ``tol`` in Σ|I7 - I5| / mass of the moments
+        whitened by V's Cholesky factor (that ratio is the error estimate; without κ: with it, on
+        16 draws at q = diag(0, 0, 0.99), tol = 1e-3 took 2.9 s per sample instead of 1.0 s, at
+        the same errors on 8 of them against tol = 1e-5, max 1.9e-4 / 2.2e-4, which the whitened
+        estimate already bounds).  With the last layer
         pinned the posterior is a thin sheet in (h_1, h_2) that rings do not resolve; this rule
         refines about it.  ``ref``, ``shift``: the polar rule's mean and log Z (moments about
         ref, sums relative to e^shift)."""
@@ -694,8 +697,7 @@ class ReparamChannel(PolarRule, Channel):
             start.append(start[-1] + len(rows[-1]))
         return self._polar_adaptive(u, omega, V, Vinv, -(3 * np.log(2 * np.pi) + logdetV), ref, shift,
                                     np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64),
-                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule(),
-                                    metric=True)
+                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule())
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask: softmax outputs whose pre-image ±u_L float64 determines (not an entry
