@@ -1204,26 +1204,35 @@ cdef inline int _heap_pop(int* heap, int* size, const double* key) noexcept nogi
     return top
 
 
-cdef void _adaptive_one(Site* s, const double* whiten, double bound, int split, double tol, int max_regions,
-                        double* log_z, double* mean, double* second, int* used,
+cdef inline int _ipow(int b, int e) noexcept nogil:
+    cdef int r = 1
+    for _ in range(e):
+        r *= b
+    return r
+
+
+cdef void _adaptive_one(Site* s, const double* whiten, double bound, const int* split, double tol,
+                        int max_regions, double* log_z, double* mean, double* second, int* used,
                         double* achieved, const double* V, double amp) noexcept nogil:
-    """Start from split^d equal boxes tiling ±bound (whitened coordinates) of every active piece."""
-    cdef int d = s.d, m, j, i, k, count = 0, per = 1
-    cdef double w = bound / split
-    for i in range(d):
-        per *= split
-    cdef double* c = <double*> malloc(2 * s.M * per * d * sizeof(double))
-    cdef double* h = c + s.M * per * d
-    cdef int* piece = <int*> malloc(s.M * per * sizeof(int))
+    """Start from split[m]^d equal boxes tiling ±bound (whitened coordinates) of every active
+    piece m."""
+    cdef int d = s.d, m, j, i, k, count = 0, total = 0
+    cdef double w
+    for m in range(s.M):
+        total += _ipow(split[m], d)
+    cdef double* c = <double*> malloc(2 * total * d * sizeof(double))
+    cdef double* h = c + total * d
+    cdef int* piece = <int*> malloc(total * sizeof(int))
     for m in range(s.M):
         if not s.logh[m] > -INFINITY:
             continue
-        for j in range(per):
+        w = bound / split[m]
+        for j in range(_ipow(split[m], d)):
             k = j
             for i in range(d):
-                c[count * d + i] = -bound + (2 * (k % split) + 1) * w
+                c[count * d + i] = -bound + (2 * (k % split[m]) + 1) * w
                 h[count * d + i] = w
-                k //= split
+                k //= split[m]
             piece[count] = m
             count += 1
     _adaptive_regions(s, whiten, c, h, piece, count, tol, max_regions, log_z, mean, second, used, achieved,
@@ -1347,13 +1356,14 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                        const double[:, :, :, ::1] A, const double[:, :, :, ::1] H,
                        const double[:, ::1] logh, const double[:, ::1] ref,
                        const double[:, :, ::1] whiten, int R, int T, int n_node, double delta,
-                       double tol, int max_regions, double bound, int split,
+                       double tol, int max_regions, double bound, const int[::1] split,
                        double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                        int[::1] used, double[::1] achieved, int threads=0,
                        const double[:, :, ::1] V=None, const double[::1] amp=None):
     """Adaptive Genz–Malik cubature of every partition piece over the box ±bound (whitened
     coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached
-    (the moments' differences whitened by ``whiten``, (n, RT, RT): see ``_region``).  With ``V``
+    (the moments' differences whitened by ``whiten``, (n, RT, RT): see ``_region``), starting from
+    split[m]^d boxes for piece m.  With ``V``
     (n, R, R) and ``amp`` (n,): κ Σ|I7 - I5| ≤ tol · mass (``_adaptive_regions``)."""
     cdef bint metric = V is not None
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
@@ -1365,7 +1375,7 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
             _adaptive_sample(route, f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0],
                              &Vinv[i, 0, 0], const0[i], &centers[i, 0, 0], &A[i, 0, 0, 0],
                              &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], centers.shape[2],
-                             &ref[i, 0], &whiten[i, 0, 0], R, T, n_node, delta, tol, max_regions, bound, split,
+                             &ref[i, 0], &whiten[i, 0, 0], R, T, n_node, delta, tol, max_regions, bound, &split[0],
                              &log_z[i], &mean[i, 0], &second[i, 0, 0], &used[i], &achieved[i],
                              &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0)
 
@@ -1375,7 +1385,7 @@ cdef void _adaptive_sample(int route, kernel_t f, const double* par, const doubl
                            const double* centers, const double* A, const double* H,
                            const double* logh, int M, int d, const double* ref, const double* whiten,
                            int R, int T, int n_node, double delta, double tol, int max_regions,
-                           double bound, int split, double* log_z, double* mean, double* second,
+                           double bound, const int* split, double* log_z, double* mean, double* second,
                            int* used, double* achieved, const double* V, double amp) noexcept nogil:
     cdef Site s
     cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
