@@ -333,14 +333,9 @@ EDGE_NARROW = Draw(y=np.array([[0.9999190792054868, 8.092079451306853e-05],
                                [0.025576060144581265, 0.012509342494323084]]), kind="near-singular V")
 
 
-def test_laplace_path_adaptive_rule_starts_fine_enough():
-    """The Laplace path's own adaptive rule (``Channel._laplace``, without the two-layer
-    cross-check; nodes=3 so that Gauss–Hermite leaves the sample to it) on a near-singular V
-    (eigenvalues 2.2e-3, 0.076) with y at the softmax edge: started from the 2^d orthant boxes of
-    each piece it was 2.5e-5 off the reference while estimating 1e-6 (a narrow feature that no
-    starting box's points saw); from 4^d boxes (``ADAPTIVE_SPLIT``) 2.5e-8.  Three layers, T = 3
-    and the noisy route's other links use this rule with ``tol`` without a cross-check."""
-    d = EDGE_NARROW
+def _check_laplace_rule_alone(d):
+    """The Laplace path's adaptive rule alone (``Channel._laplace``, tol=1e-6, nodes=3 so that
+    Gauss–Hermite leaves the sample to it) within RTOL of the reference and of its estimate."""
     y, omega, V = d.y[None], d.omega[None], d.V[None]
     ch = model(2).channel(tol=1e-6, nodes=3)
     Vinv = np.linalg.inv(V)
@@ -348,6 +343,16 @@ def test_laplace_path_adaptive_rule_starts_fine_enough():
     r = ref.reparam_l2(d.y, d.omega, d.V)
     err = ref.metric(got.g_out[0], got.dg_out[0], r.g_out, r.dg_out)
     assert err <= RTOL and err <= got.error[0]
+
+
+def test_laplace_path_adaptive_rule_starts_fine_enough():
+    """The Laplace path's own adaptive rule (``Channel._laplace``, without the two-layer
+    cross-check; nodes=3 so that Gauss–Hermite leaves the sample to it) on a near-singular V
+    (eigenvalues 2.2e-3, 0.076) with y at the softmax edge: started from the 2^d orthant boxes of
+    each piece it was 2.5e-5 off the reference while estimating 1e-6 (a narrow feature that no
+    starting box's points saw); from 4^d boxes (``ADAPTIVE_SPLIT``) 2.5e-8.  Three layers, T = 3
+    and the noisy route's other links use this rule with ``tol`` without a cross-check."""
+    _check_laplace_rule_alone(EDGE_NARROW)
 
 
 
@@ -365,14 +370,7 @@ def test_laplace_path_prior_piece_starts_finer():
     of the partition integrates it, on the prior's scale.  Started from 4^d boxes there it was
     8.1e-4 off the reference while estimating 1e-6, at every budget up to 300 000 regions; the
     prior's piece starts from PRIOR_SPLIT^d = 8^d boxes."""
-    d = MISSED_MODE
-    y, omega, V = d.y[None], d.omega[None], d.V[None]
-    ch = model(2).channel(tol=1e-6, nodes=3)
-    Vinv = np.linalg.inv(V)
-    got = ch._assemble(omega, V, Vinv, *Channel._laplace(ch, y, omega, V, Vinv, np.log(np.linalg.det(V))))
-    r = ref.reparam_l2(d.y, d.omega, d.V)
-    err = ref.metric(got.g_out[0], got.dg_out[0], r.g_out, r.dg_out)
-    assert err <= RTOL and err <= got.error[0]
+    _check_laplace_rule_alone(MISSED_MODE)
 
 UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
                                  [0.5542154394121421, 0.44578456058785787]]),
