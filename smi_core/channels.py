@@ -71,10 +71,11 @@ ADAPTIVE_BOUND = 12.0
 ADAPTIVE_SPLIT = 4
 # and the prior's piece (``partition``'s last) from PRIOR_SPLIT^d: it integrates whatever the
 # modes' pieces do not cover, on the prior's scale, including any mode Gauss–Newton did not find
-# from its starts at ±ω.  On the 226 draws two such modes (3 % and 0.3 % of the mass, 0.1 wide
-# against the prior's sd 0.5) were 8.1e-4 and 3.2e-3 off while estimating 1e-6, with 4 as with
-# ADAPTIVE_SPLIT, at every budget up to 300 000 regions; with 8 none is above 3× its estimate
-# (max error 4.2e-7), at the same cost (6.7 against 6.3 ms per sample)
+# from its starts at ±ω.  On the 226 draws two such modes (3 % and 0.3 % of the mass, the second
+# ≈ 0.04 wide against the prior's sd 0.5) were 8.1e-4 and 3.2e-3 off while estimating ≤ 1e-6,
+# with 4 as with ADAPTIVE_SPLIT, at every budget tried (up to 3·10⁵ and 10⁶ regions); with 8
+# none is above 3× its estimate (max error 4.2e-7), at the same cost (6.7 against 6.3 ms per
+# sample)
 PRIOR_SPLIT = 8
 
 

@@ -355,7 +355,6 @@ def test_laplace_path_adaptive_rule_starts_fine_enough():
     _check_laplace_rule_alone(EDGE_NARROW)
 
 
-
 MISSED_MODE = Draw(y=np.array([[0.9999999999677061, 3.229396566775099e-11],
                                [0.9996185417110353, 3.814582889647419e-04]]),
                    omega=np.array([[-1.2015325177448104, -0.10128663497016879],
@@ -371,6 +370,7 @@ def test_laplace_path_prior_piece_starts_finer():
     8.1e-4 off the reference while estimating 1e-6, at every budget up to 300 000 regions; the
     prior's piece starts from PRIOR_SPLIT^d = 8^d boxes."""
     _check_laplace_rule_alone(MISSED_MODE)
+
 
 UNINFORMATIVE = Draw(y=np.array([[0.5899310010872008, 0.4100689989127992],
                                  [0.5542154394121421, 0.44578456058785787]]),
