@@ -461,6 +461,16 @@ def test_reparam_l3_default_polar_rule(q):
     assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= 1e-3
 
 
+def _check_l2_default(y, omega, V):
+    """The default two-layer channel within RTOL of the reference, its estimate within
+    PINNED["tol"]."""
+    r = ref.reparam_l2(y, omega, V)
+    m = model(2).channel().moments(y[None], omega[None], V)
+    assert r.error <= REF_TOL
+    assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= RTOL
+    assert m.error[0] <= model(2).channel().PINNED["tol"]
+
+
 def test_reparam_l2_pinned_last_layer():
     """The last layer pinned (V₂₂ = 1e-3) while h_1 is broad: the posterior over h_1 is a narrow
     peak on a ridge.  The default polar rule was off by 39 here (its estimate 0.63); the
@@ -468,12 +478,7 @@ def test_reparam_l2_pinned_last_layer():
     Z = np.array([[-0.19224071152595104, -0.8137724218420405], [1.4154566200488867, -1.056339817648993]])
     omega = np.array([[0.0, 0.0], [1.367866004494648, -1.0771362174117753]])
     V = np.diag([1.0, 1e-3])
-    y = model(2).forward(Z[None])
-    r = ref.reparam_l2(y[0], omega, V)
-    m = model(2).channel().moments(y, omega[None], V)
-    assert r.error <= REF_TOL
-    assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= RTOL
-    assert m.error[0] <= model(2).channel().PINNED["tol"]
+    _check_l2_default(model(2).forward(Z[None])[0], omega, V)
 
 
 def test_reparam_l2_pinned_estimate_in_the_metric():
@@ -485,11 +490,7 @@ def test_reparam_l2_pinned_estimate_in_the_metric():
                   [2.4387625214110212e-05, 9.9997561237478594e-01]])
     omega = np.array([[0.0, 0.0], [1.8211001297812919, -1.319770589391837]])
     V = np.diag([1.0, 1e-3])
-    r = ref.reparam_l2(y, omega, V)
-    m = model(2).channel().moments(y[None], omega[None], V)
-    assert r.error <= REF_TOL
-    assert ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) <= RTOL
-    assert m.error[0] <= model(2).channel().PINNED["tol"]
+    _check_l2_default(y, omega, V)
 
 
 @st.composite
