@@ -207,6 +207,81 @@ cdef extern from *:
         return mx;
     }
 
+    /* L = 2, T = 3, route 0 (the spherical rule): node columns [x = h_1 (3), log weight,
+       Phi^-1 (3 x 3, row-major), log|det Phi|]; buf columns h_2 (3) and the log weights (4);
+       the terms and the Walsh-Hadamard sums as in smi_polar2. */
+    static double smi_sphere2(const double* restrict u, const double* restrict om,
+                              const double* restrict P, double const0,
+                              const double* restrict nodes, long stride, long K, double floor,
+                              double* restrict buf, double* restrict out) {
+        const double p11 = P[0], p12 = P[1], p22 = P[3];
+        const double u0 = u[0], u1 = u[1], u2 = u[2];
+        double v[6], quad = 0.0;
+        for (int t = 0; t < 3; t++) {
+            v[t] = p11 * om[t] + p12 * om[3 + t];
+            v[3 + t] = p12 * om[t] + p22 * om[3 + t];
+            quad += om[t] * v[t] + om[3 + t] * v[3 + t];
+        }
+        const double base0 = const0 - 0.5 * quad;
+        const double* restrict X0 = nodes;
+        const double* restrict X1 = nodes + stride;
+        const double* restrict X2 = nodes + 2 * stride;
+        const double* restrict LW = nodes + 3 * stride;
+        const double* restrict F = LW + stride;              /* F[(3 i + j) stride + k] */
+        const double* restrict LD = LW + 10 * stride;
+        double* restrict H0 = buf;
+        double* restrict H1 = buf + SMI_TILE;
+        double* restrict H2 = buf + 2 * SMI_TILE;
+        double* restrict W = buf + 3 * SMI_TILE;
+        double mx = -INFINITY;
+        #pragma omp simd reduction(max: mx)
+        for (long k = 0; k < K; k++) {
+            double lc = base0 + LW[k] - LD[k];
+            double h0 = F[k] * u0 + F[stride + k] * u1 + F[2 * stride + k] * u2;
+            double h1 = F[3 * stride + k] * u0 + F[4 * stride + k] * u1 + F[5 * stride + k] * u2;
+            double h2 = F[6 * stride + k] * u0 + F[7 * stride + k] * u1 + F[8 * stride + k] * u2;
+            int ok = SMI_FINITE(h0) & SMI_FINITE(h1) & SMI_FINITE(h2) & SMI_FINITE(lc);
+            h0 = ok ? h0 : 0.0; h1 = ok ? h1 : 0.0; h2 = ok ? h2 : 0.0; lc = ok ? lc : -INFINITY;
+            H0[k] = h0; H1[k] = h1; H2[k] = h2;
+            double x0 = X0[k], x1 = X1[k], x2 = X2[k];
+            double c = lc - 0.5 * (p11 * (x0 * x0 + x1 * x1 + x2 * x2) + p22 * (h0 * h0 + h1 * h1 + h2 * h2));
+            double a1 = v[0] * x0 + v[1] * x1 + v[2] * x2, a2 = v[3] * h0 + v[4] * h1 + v[5] * h2;
+            double b = p12 * (x0 * h0 + x1 * h1 + x2 * h2);
+            double w00 = c + a1 + a2 - b, w01 = c + a1 - a2 + b;
+            double w10 = c - a1 + a2 + b, w11 = c - a1 - a2 - b;
+            W[k] = w00; W[SMI_TILE + k] = w10; W[2 * SMI_TILE + k] = w01; W[3 * SMI_TILE + k] = w11;
+            double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
+            mx = t > mx ? t : mx;
+        }
+        if (mx < floor)
+            return mx;
+        double s0 = 0, m0 = 0, m1 = 0, m2 = 0, m3 = 0, m4 = 0, m5 = 0;
+        double q00 = 0, q01 = 0, q02 = 0, q11 = 0, q12 = 0, q22 = 0;       /* x xᵀ */
+        double q33 = 0, q34 = 0, q35 = 0, q44 = 0, q45 = 0, q55 = 0;       /* h hᵀ */
+        double q03 = 0, q04 = 0, q05 = 0, q13 = 0, q14 = 0, q15 = 0, q23 = 0, q24 = 0, q25 = 0;
+        #pragma omp simd reduction(+: s0, m0, m1, m2, m3, m4, m5, q00, q01, q02, q11, q12, q22, q33, q34, q35, q44, q45, q55, q03, q04, q05, q13, q14, q15, q23, q24, q25)
+        for (long k = 0; k < K; k++) {
+            double x0 = X0[k], x1 = X1[k], x2 = X2[k], x3 = H0[k], x4 = H1[k], x5 = H2[k];
+            double w0 = smi_exp_neg(W[k] - mx), w1 = smi_exp_neg(W[SMI_TILE + k] - mx);
+            double w2 = smi_exp_neg(W[2 * SMI_TILE + k] - mx), w3 = smi_exp_neg(W[3 * SMI_TILE + k] - mx);
+            double a0 = w0 + w1, a1 = w0 - w1, a2 = w2 + w3, a3 = w2 - w3;
+            double D = a0 + a2, D1 = a1 + a3, D2 = a0 - a2, D12 = a1 - a3;
+            double Sx0 = D * x0, Sx1 = D * x1, Sx2 = D * x2, Sx3 = D * x3, Sx4 = D * x4, Sx5 = D * x5;
+            double A0 = D12 * x0, A1 = D12 * x1, A2 = D12 * x2;
+            s0 += D;
+            m0 += D1 * x0; m1 += D1 * x1; m2 += D1 * x2; m3 += D2 * x3; m4 += D2 * x4; m5 += D2 * x5;
+            q00 += Sx0 * x0; q01 += Sx0 * x1; q02 += Sx0 * x2; q11 += Sx1 * x1; q12 += Sx1 * x2; q22 += Sx2 * x2;
+            q33 += Sx3 * x3; q34 += Sx3 * x4; q35 += Sx3 * x5; q44 += Sx4 * x4; q45 += Sx4 * x5; q55 += Sx5 * x5;
+            q03 += A0 * x3; q04 += A0 * x4; q05 += A0 * x5; q13 += A1 * x3; q14 += A1 * x4; q15 += A1 * x5;
+            q23 += A2 * x3; q24 += A2 * x4; q25 += A2 * x5;
+        }
+        double sm[6] = {m0, m1, m2, m3, m4, m5};
+        double sq[21] = {q00, q01, q02, q03, q04, q05, q11, q12, q13, q14, q15, q22, q23, q24, q25,
+                         q33, q34, q35, q44, q45, q55};
+        smi_about(s0, sm, sq, om, 6, out);
+        return mx;
+    }
+
     /* L = 3, route 0: node columns [x = (h_1, h_2) (4), log weight, Phi^-1 (row-major),
        log|det Phi|]; buf columns h_3 (2) and the log weights (8). */
     static double smi_polar3(const double* restrict u, const double* restrict om,
@@ -297,6 +372,9 @@ cdef extern from *:
     double smi_polar2(const double* u, const double* om, const double* P, double const0, double delta,
                       const double* nodes, long stride, long K, int m, double floor, double* buf,
                       double* out) noexcept nogil
+    double smi_sphere2(const double* u, const double* om, const double* P, double const0,
+                       const double* nodes, long stride, long K, double floor, double* buf,
+                       double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -576,7 +654,8 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const double[:, ::1] nodes, double[::1] log_z, double[:, ::1] mean,
                     double[:, :, ::1] second, int threads=0, double delta=0.0,
                     const long[::1] seg_ring=None, const long[:, :, ::1] window=None):
-    """T = 2 polar rules on nodes shared by groups of samples: sample i runs over the node
+    """Polar rules (T = 2; T = 3 with L = 2, route 0: the spherical rule) on nodes shared by
+    groups of samples: sample i runs over the node
     ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1] (the nodes' data computed
     once for the whole group), with its own ω, V⁻¹.  ``nodes`` holds one node per column
     (width × count: the node loops read contiguous rows).
@@ -584,6 +663,7 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     - Route 0 (``delta`` = 0; L = 2 or 3): x = h_{<L} ∈ R^{2(L-1)}, rows [x, log weight, Φ⁻¹
       (2×2, row-major), log|det Φ|] (Φ = Φ⁽ᴸ⁻¹⁾(x)); h_L = Φ⁻¹u_L with the sample's u_L (row i
       of ``u``), and the integrand Σ_± N([x; ±h_L]; ω, V)/|det Φ|.
+      With T = 3 (L = 2): x = h_1 ∈ R³, rows [x, log weight, Φ⁻¹ (3×3), log|det Φ|].
     - Route 1 (``delta`` = Δ > 0; L = 1 or 2): x = (h_{<L}, u_L), rows [x, log weight, Φ⁻¹,
       log|det Φ|, g = σ_β(u_L u_Lᵀ) (4, row-major)], ``u`` the sample's y (4 values):
       h_L = Φ⁻¹u_L (dh_L = du_L/|det Φ|) and the integrand N([h_{<L}; h_L]; ω, V) N(y; g, Δ I)
@@ -596,15 +676,17 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     holding window[i, l, 0] nodes of which only the ranges [lo, hi) = window[i, l, 1:3] and
     window[i, l, 3:5] count (the sample's arcs)."""
     cdef Py_ssize_t n = omega.shape[0], i
-    cdef int L = Vinv.shape[1], noisy = delta > 0
+    cdef int L = Vinv.shape[1], noisy = delta > 0, T = omega.shape[1] // Vinv.shape[1]
     if threads <= 0:
         threads = omp_get_max_threads()
     if seg_ptr.shape[0] != n + 1 or seg_start.shape[0] != seg_stop.shape[0] or seg_ptr[n] > seg_start.shape[0]:
         raise ValueError("integrate_polar needs seg_ptr of n + 1 offsets into seg_start and seg_stop")
-    if not ((2 <= L <= POLAR_MAX_LAYERS and nodes.shape[0] == 2 * L + 4 and not noisy)
-            or (1 <= L <= 2 and nodes.shape[0] == 2 * L + 10 and noisy and u.shape[1] == 4)):
-        raise ValueError(f"integrate_polar needs 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
-                         f"(route 0), or 1 ≤ L ≤ 2, nodes of 2L + 10 values and 4 outputs (route 1)")
+    if not ((T == 2 and 2 <= L <= POLAR_MAX_LAYERS and nodes.shape[0] == 2 * L + 4 and not noisy)
+            or (T == 3 and L == 2 and nodes.shape[0] == 14 and not noisy and u.shape[1] == 3)
+            or (T == 2 and 1 <= L <= 2 and nodes.shape[0] == 2 * L + 10 and noisy and u.shape[1] == 4)):
+        raise ValueError(f"integrate_polar needs T = 2, 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
+                         f"(route 0), T = 3, L = 2 and nodes of 14 values (route 0), or T = 2, 1 ≤ L ≤ 2, "
+                         f"nodes of 2L + 10 values and 4 outputs (route 1)")
     cdef const long* ring = NULL
     cdef const long* win = NULL
     if window is not None:
@@ -613,7 +695,7 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
         ring, win = &seg_ring[0], &window[0, 0, 0]
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, delta, &nodes[0, 0],
+            _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, T, delta, &nodes[0, 0],
                           nodes.shape[0], nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
                           seg_ptr[i + 1] - seg_ptr[i], ring if ring == NULL else ring + seg_ptr[i],
                           win if win == NULL else win + i * window.shape[1] * 5,
@@ -729,7 +811,7 @@ def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long 
     """The product of one or two layers' ring rules (``PolarRule._polar_nodes``), block by
     block: block b (a flat index into (groups, R1 rings[, R2 rings])) holds the pairs of ring j
     of layer 1 and ring l of layer 2 of group g, b = (g·R1 + j)·R2 + l, layer 2 fastest, from
-    row offset[b] of x (node coordinates, 2 per layer) and lw (the sum of the layers' log
+    row offset[b] of x (node coordinates, T per layer) and lw (the sum of the layers' log
     weights).  A layer's nodes are its rings' nodes one after the other (ring r from start[r],
     count[r] nodes; groups in order).  R2 = 0: one layer, b = g·R1 + j."""
     cdef Py_ssize_t nb = blocks.shape[0], i
@@ -748,18 +830,21 @@ cdef void _product_block(long b, long row, long R1, long R2, const double[:, ::1
     """One block of ``polar_product``."""
     cdef long ring1 = b // R2 if R2 > 0 else b, ring2 = (b // (R1 * R2)) * R2 + b % R2 if R2 > 0 else 0
     cdef long a, c, n2 = count2[ring2] if R2 > 0 else 1
+    cdef int j, T = x1.shape[1]
     for a in range(start1[ring1], start1[ring1] + count1[ring1]):
         for c in range(n2):
-            x[row, 0], x[row, 1] = x1[a, 0], x1[a, 1]
+            for j in range(T):
+                x[row, j] = x1[a, j]
             lw[row] = lw1[a]
             if R2 > 0:
-                x[row, 2], x[row, 3] = x2[start2[ring2] + c, 0], x2[start2[ring2] + c, 1]
+                for j in range(T):
+                    x[row, T + j] = x2[start2[ring2] + c, j]
                 lw[row] += lw2[start2[ring2] + c]
             row += 1
 
 
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
-                        int L, double delta, const double* nodes, Py_ssize_t rows, Py_ssize_t stride,
+                        int L, int T, double delta, const double* nodes, Py_ssize_t rows, Py_ssize_t stride,
                         const long* seg_start, const long* seg_stop, Py_ssize_t n_seg,
                         const long* seg_ring, const long* window,
                         double* log_z, double* mean, double* second) noexcept nogil:
@@ -770,7 +855,8 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
     terms ±h_1)."""
     cdef Acc acc
     cdef Py_ssize_t k, s, end, a = 0, b = 0
-    cdef int j, m = 2 * (L - 1) if delta == 0 else 2 * L    # the log weight's row
+    cdef int j, m = T * (L - 1) if delta == 0 else 2 * L    # the log weight's row
+    cdef int RT = T * L
     cdef double h[2]
     cdef double lc, r2
     cdef const long* w
@@ -778,12 +864,12 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
     cdef double* part = NULL
     cdef double* gather = NULL
     cdef Py_ssize_t filled = 0
-    cdef double const0 = -(L * log(2 * M_PI) + logdetV)
+    cdef double const0 = -0.5 * T * (L * log(2 * M_PI) + logdetV)
     if delta > 0:
         const0 -= 2.0 * log(2 * M_PI * delta)
-    _acc_init(&acc, 2 * L)
+    _acc_init(&acc, RT)
     if L >= 2:
-        buf = <double*> malloc(((10 + rows) * SMI_TILE + 1 + 2 * L + L * (2 * L + 1)) * sizeof(double))
+        buf = <double*> malloc(((10 + rows) * SMI_TILE + 1 + RT + RT * (RT + 1) // 2) * sizeof(double))
         gather = buf + 10 * SMI_TILE
         part = gather + rows * SMI_TILE
     for s in range(n_seg):
@@ -794,14 +880,14 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                 for j in range(3, 0, -2):
                     if w[j + 1] > w[j]:
                         if k + w[j] != b:
-                            _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, a,
+                            _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, a,
                                          b, &filled, gather, buf, part)
                             a = k + w[j]
                         b = k + w[j + 1]
                 k += w[0]
                 w += 5
         elif L >= 2:
-            _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, k, end, &filled,
+            _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, k, end, &filled,
                          gather, buf, part)
         else:                           # L = 1 (route 1): h_1 = u_1, the terms ±u_1
             for k in range(k, end):
@@ -813,16 +899,16 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                 for j in range(2):      # g is even in u_1
                     h[0], h[1] = -h[0], -h[1]
                     _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
-    _polar_range(&acc, u, omega, Vinv, const0, delta, L, m, nodes, rows, stride, a, b, &filled, gather,
+    _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, a, b, &filled, gather,
                  buf, part)
     if filled:
-        _polar_tile(&acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled, buf, part)
+        _polar_tile(&acc, u, omega, Vinv, const0, delta, L, T, m, gather, SMI_TILE, filled, buf, part)
     free(buf)
     _acc_finish(&acc, log_z, mean, second)
 
 
 cdef inline void _polar_range(Acc* acc, const double* u, const double* omega, const double* Vinv,
-                              double const0, double delta, int L, int m, const double* nodes,
+                              double const0, double delta, int L, int T, int m, const double* nodes,
                               Py_ssize_t rows, Py_ssize_t stride, Py_ssize_t k, Py_ssize_t end,
                               Py_ssize_t* filled, double* gather, double* buf, double* part) noexcept nogil:
     """Nodes k:end into the sums by tiles (``_polar_tile``: ``smi_polar2``, ``smi_polar3``, two
@@ -833,24 +919,26 @@ cdef inline void _polar_range(Acc* acc, const double* u, const double* omega, co
     while k < end:
         cnt = min(SMI_TILE - filled[0], end - k)
         if filled[0] == 0 and cnt == SMI_TILE:
-            _polar_tile(acc, u, omega, Vinv, const0, delta, L, m, nodes + k, stride, cnt, buf, part)
+            _polar_tile(acc, u, omega, Vinv, const0, delta, L, T, m, nodes + k, stride, cnt, buf, part)
         else:
             for j in range(rows):
                 memcpy(gather + j * SMI_TILE + filled[0], nodes + j * stride + k, cnt * sizeof(double))
             filled[0] += cnt
             if filled[0] == SMI_TILE:
-                _polar_tile(acc, u, omega, Vinv, const0, delta, L, m, gather, SMI_TILE, filled[0], buf, part)
+                _polar_tile(acc, u, omega, Vinv, const0, delta, L, T, m, gather, SMI_TILE, filled[0], buf, part)
                 filled[0] = 0
         k += cnt
 
 
 cdef inline void _polar_tile(Acc* acc, const double* u, const double* omega, const double* Vinv,
-                             double const0, double delta, int L, int m, const double* nodes,
+                             double const0, double delta, int L, int T, int m, const double* nodes,
                              Py_ssize_t stride, Py_ssize_t cnt, double* buf, double* part) noexcept nogil:
     """One tile of ``_polar_sample``: cnt nodes (columns of ``nodes``) into the sums, unless
     all are below e^-SMI_SKIP of the running maximum."""
     cdef double top, floor = acc.mx - SMI_SKIP
-    if L == 2:
+    if T == 3:
+        top = smi_sphere2(u, omega, Vinv, const0, nodes, stride, cnt, floor, buf, part)
+    elif L == 2:
         top = smi_polar2(u, omega, Vinv, const0, delta, nodes, stride, cnt, m, floor, buf, part)
     else:
         top = smi_polar3(u, omega, Vinv, const0, nodes, stride, cnt, floor, buf, part)

@@ -16,6 +16,7 @@ about ±ω_ℓ: at q → 1 the prior concentrates on a few of a ring's angles).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -147,14 +148,10 @@ class PolarRule:
                                             + p["c2"] * kr / np.sqrt(1 + kr / p["k0"])) * fade))
         cap = p["cap"] * scale * sharp * np.maximum(1.0, np.sqrt(kr / p["k0"])) ** p["capk"]
         count = np.clip(count, 2, np.floor(cap)).astype(np.int64)
-        flat = count.ravel()
-        ring = np.repeat(np.arange(flat.size), flat)
-        k = np.arange(ring.size) - np.repeat(np.cumsum(flat) - flat, flat)
-        N = flat[ring]
-        theta = (k + 0.5) * np.pi / N
-        radius = r.ravel()[ring]
-        x = np.stack([radius * np.cos(theta), radius * np.sin(theta)], axis=1)
-        log_w = np.log(0.5 * (b - a)[:, None] * wt * r).ravel()[ring] + np.log(np.pi / N)
+        unit, log_u, count = (_circle if self.T == 2 else _sphere)(count)
+        ring = np.repeat(np.arange(count.size), count.ravel())
+        x = unit * r.ravel()[ring, None]
+        log_w = np.log(0.5 * (b - a)[:, None] * wt * r ** (self.T - 1)).ravel()[ring] + log_u
         return Rings(x, log_w, r, count, dist ** 2 / v[:, None], mu, var, origin)
 
     def _polar_plan(self, omega, V, scale):
@@ -222,7 +219,7 @@ class PolarRule:
         """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
         layer...), ``size`` nodes each; ``_quadrature.polar_product``), as rows [x, log weight,
         ``_polar_data(x)``]."""
-        x, log_w = np.empty((size.sum(), 2 * len(layers))), np.empty(size.sum())
+        x, log_w = np.empty((size.sum(), layers[0].x.shape[1] * len(layers))), np.empty(size.sum())
         rings = [(rl.x, rl.log_w, np.cumsum(rl.count.ravel()) - rl.count.ravel(), rl.count.ravel())
                  for rl in (layers[0], layers[-1])]          # one layer: the second is ignored
         _quadrature.polar_product(blocks, np.cumsum(size) - size, shape[1], shape[2] if len(layers) == 2 else 0,
@@ -301,6 +298,44 @@ class PolarRule:
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
         return log_z, mean, cov, error
+
+
+def _circle(count):
+    """The half circle of every ring (count: angles per ring): the unit vectors (M, 2) and log
+    weights of the midpoint rule θ_k = (k + ½)π/N, ring after ring, and the node counts (= count)."""
+    flat = count.ravel()
+    ring = np.repeat(np.arange(flat.size), flat)
+    N = flat[ring]
+    theta = (np.arange(ring.size) - np.repeat(np.cumsum(flat) - flat, flat) + 0.5) * np.pi / N
+    return np.stack([np.cos(theta), np.sin(theta)], axis=1), np.log(np.pi / N), count
+
+
+def _sphere(count):
+    """T = 3: the half sphere of every shell, N = count its angles per half circle: z = cos φ
+    at N Gauss–Legendre nodes and, on the circle at z_j, the midpoint rule θ_k = (k + ½)π/N_j
+    on [0, π) with N_j = max(2, ⌈N √(1 - z_j²)⌉) (the same spacing on every circle); node
+    (z_j, θ_k) stands for its antipode (-z_j, θ_k + π) too (the integrand is folded over
+    h_1 → -h_1), so dΩ = dz dθ is integrated over the whole sphere.  Returns the unit vectors
+    (M, 3), log weights log(w_j π/N_j) and the node counts per shell (count's shape)."""
+    flat = count.ravel()
+    values, inverse = np.unique(flat, return_inverse=True)
+    rules = [_sphere_rule(int(N)) for N in values]
+    sizes = np.array([len(u) for u, _ in rules])[inverse]
+    unit = np.concatenate([rules[i][0] for i in inverse])
+    log_w = np.concatenate([rules[i][1] for i in inverse])
+    return unit, log_w, sizes.reshape(count.shape)
+
+
+@lru_cache(maxsize=None)
+def _sphere_rule(N):
+    """One half-sphere rule of ``_sphere``."""
+    z, wz = np.polynomial.legendre.leggauss(N)
+    rho = np.sqrt(1.0 - z * z)
+    Nj = np.maximum(2, np.ceil(N * rho - 1e-9)).astype(np.int64)
+    j = np.repeat(np.arange(N), Nj)
+    theta = (np.arange(j.size) - np.repeat(np.cumsum(Nj) - Nj, Nj) + 0.5) * np.pi / Nj[j]
+    unit = np.stack([rho[j] * np.cos(theta), rho[j] * np.sin(theta), z[j]], axis=1)
+    return unit, np.log(wz[j] * np.pi / Nj[j])
 
 
 def _merge(total, idx, part):

@@ -334,6 +334,54 @@ class ReparamL2(_Problem):
         return [s * self.omega[0] for s in (1.0, -1.0)]
 
 
+class ReparamL2T3(_Problem):
+    """Noiseless L = 2, T = 3 (float64 only): x = h_1 ∈ R³, Z = [x; ±Φ(x)⁻¹u], Φ = cI + σ_β(x xᵀ),
+    density ∝ Σ_± N(Z; ω, V) / |det Φ(x)|, by the nested product rules of ``reparam_l3``."""
+    d, S, R, T = 3, 2, 2, 3
+
+    def __init__(self, y, omega, V, skip, beta):
+        super().__init__(omega, V)
+        self.c, self.beta = float(skip), float(beta)
+        self.u = np.array([float(v) for v in u_from_y(y, beta)])
+
+    def rows(self, X):
+        logits = self.beta * X[:, :, None] * X[:, None, :]
+        A = np.exp(logits - logits.max(axis=2, keepdims=True))
+        Phi = self.c * np.eye(3) + A / A.sum(axis=2, keepdims=True)
+        h2 = np.linalg.solve(Phi, np.broadcast_to(self.u, X.shape)[:, :, None])[:, :, 0]
+        return [X, h2], -np.linalg.slogdet(Phi)[1]
+
+    def box(self, K):
+        half = K * math.sqrt(self.V[0, 0])
+        return self.omega[0] - half, self.omega[0] + half
+
+    def cliffs(self, k, prefix):
+        """Row t of σ_β(x xᵀ) has logits β x_t x_s: it switches where x_t = 0 or x_s = x_s'."""
+        return np.concatenate([np.zeros((len(prefix), 1)), prefix[:, :k]], axis=1)
+
+    def tail(self, K, Zref):
+        """x ~ N(ω_1, V_11 I) outside the box (P_out ≤ 2T Φ(-K)); the rest is N(±h_2; m(x), s² I)
+        / |det Φ| with m(x) = ω_2 + (V_12/V_11)(x - ω_1), det Φ = Π(c + λ_i) ≥ c^{T-1}(c + 1)
+        (σ_β(x xᵀ) = D⁻¹K with K = e^{∘β x xᵀ} positive semi-definite, so its eigenvalues are
+        real in [0, 1], one of them 1), and sup_h N(h; m, s²)|h - z|² ≤ (2πs²)^{-T/2}(2|m - z|²
+        + 4s²/e); E[|x - ω_1|²; out] ≤ √(E|x - ω_1|⁴ P_out) = V_11 √(T² + 2T) √P_out."""
+        T, c = self.T, self.c
+        v11, k = self.V[0, 0], self.V[0, 1] / self.V[0, 0]
+        s2 = self.V[1, 1] - self.V[0, 1] ** 2 / v11
+        log_sup = -0.5 * T * math.log(2 * math.pi * s2) - (T - 1) * math.log(c) - math.log(c + 1)
+        log_pout = math.log(2 * T) + log_ndtr(-K)
+        pout = math.exp(log_pout)
+        ex2 = v11 * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout)      # E[|x - ω_1|²; out]
+        d1 = np.sum((self.omega[0] - Zref[0]) ** 2)
+        d2 = np.sum((self.omega[1] - Zref[1]) ** 2)
+        m2 = (2 * ex2 + 2 * d1 * pout                                        # |x - z_1|²
+              + 2 * (2 * d2 * pout + 2 * k * k * ex2) + 4 * s2 / math.e * pout)  # |Z_2 - z_2|²
+        return math.log(self.S) + log_sup + log_pout, math.log(self.S) + log_sup + math.log(m2)
+
+    def starts(self):
+        return [s * self.omega[0] for s in (1.0, -1.0)]
+
+
 class NoisyL1(_Problem):
     """P(y|Z) = N(y; σ_β(h hᵀ), Δ I_{T²}), L = 1, T = 2 (R = 1): x = h, one term."""
     d, S, R, T = 2, 1, 1, 2
@@ -1210,6 +1258,12 @@ def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=5) -> Reference:
     per order) plus the propagated tail bound.  Measured on SE draws (q = 0 … 0.99): error
     ≈ 1e-5 … 5e-5 for n = 5 (≈ 10–40 s), ≈ 1e-7 … 6e-6 for n = 6 (≈ 30–90 s)."""
     return _reference(ReparamL3(y, omega, V, skip, beta), None, n, 15, False, fixed=True)
+
+
+def reparam_l2_t3(y, omega, V, skip=1.0, beta=1.0, n=8) -> Reference:
+    """Noiseless L = 2, T = 3 (3-D integral over h_1, float64): nested product rules with n and
+    n + 1 Gauss–Legendre nodes per panel, as ``reparam_l3``."""
+    return _reference(ReparamL2T3(y, omega, V, skip, beta), None, n, 41, False, fixed=True)
 
 
 # -- fixed nested rule (4-D) ---------------------------------------------------------------------

@@ -428,6 +428,38 @@ def test_reparam_l2_skip_and_beta_many(data, skip, beta):
     check_l2(data.draw(se_draws(2, skip=skip, beta=beta)), skip, beta)
 
 
+# -- L = 2, T = 3: 3-D integral (the spherical rule) --------------------------------------------------
+
+REF_N_T3 = 11       # the T = 3 reference's nodes per panel (its bound ≤ 1e-9 on the draws below)
+
+
+@examples(2)
+@given(data=st.data())
+def test_reparam_l2_t3_state_evolution_draws(data):
+    """Two layers, T = 3 (q scalar or rotated), with ``tol``: against the 3-D reference."""
+    d = data.draw(se_draws(2, tokens=3, correlated=data.draw(st.booleans())))
+    expected = ref.reparam_l2_t3(d.y, d.omega, d.V, n=REF_N_T3)
+    compare("L=2 T=3", channel(2, tokens=3), d, expected, RTOL, REF_TOL)
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.9])
+def test_reparam_l2_t3_default_spherical_rule(q):
+    """The default two-layer T = 3 rule (shells about the origin, no tol) on state-evolution
+    draws at q·I: within RTOL of the reference; the Laplace rule it replaced was 1.2e-3 / 2.3e-4
+    / 8.7e-6 off (median) at q = 0 / 0.3 / 0.9 (see the README)."""
+    rng = np.random.default_rng(21)
+    omega = math.sqrt(q) * rng.standard_normal((4, 2, 3))
+    y = model(2, 3).forward(omega + math.sqrt(1 - q) * rng.standard_normal((4, 2, 3)))
+    V = (1 - q) * np.eye(2)
+    ch = model(2, 3).channel()
+    assert (ch._polar_weight(omega, np.broadcast_to(V, (4, 2, 2))) == 1).all()
+    m = ch.moments(y, omega, V)
+    for i in range(4):
+        r = ref.reparam_l2_t3(y[i], omega[i], V, n=REF_N_T3)
+        assert r.error <= REF_TOL
+        assert ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) <= RTOL, (i, m.error[i])
+
+
 # -- L = 3 (T = 2): 4-D integral ------------------------------------------------------------------
 
 def check_l3(d, n=5, ref_tol=REF_TOL_L3, n_max=None):
@@ -582,13 +614,13 @@ def test_noisy_l1_adversarial_many(data, noise):
 
 # -- identities under the model's own outputs ---------------------------------------------------------
 
-def se_batch(layers, n, q, rng, noise=None):
-    R, T = layers, 2
+def se_batch(layers, n, q, rng, noise=None, tokens=2):
+    R, T = layers, tokens
     xi, zeta = rng.standard_normal((n, R, T)), rng.standard_normal((n, R, T))
     omega = np.einsum("ab,nbt->nat", sqrt_psd(q), xi)
     V = symmetric(np.eye(R) - q)
     Z = omega + np.einsum("ab,nbt->nat", sqrt_psd(V), zeta)
-    y = model(layers).forward(Z)
+    y = model(layers, tokens).forward(Z)
     if noise is not None:
         y = y + math.sqrt(noise) * rng.standard_normal(y.shape)
     return y, omega, V
@@ -745,6 +777,7 @@ IDENTITY_CASES = {
     "L2-scalar": (2, 0.5 * np.eye(2), None, 1e-4),
     "L2-correlated": (2, np.array([[0.7, 0.25], [0.25, 0.4]]), None, 1e-4),
     "L2-small-V": (2, 0.95 * np.eye(2), None, 1e-4),
+    "L2-T3": (2, 0.5 * np.eye(2), None, None, 3),
     "L3": (3, 0.5 * np.eye(3), None, None),
     "noisy-L1": (1, np.array([[0.5]]), 0.05, 1e-4),
 }
@@ -756,10 +789,10 @@ def test_mean_and_nishimori_identities(case):
     E[g_out] = 0 and E[Σ_t g_out[:,t] g_out[:,t]ᵀ] = -E[Σ_t ∂g_out[(·,t),(·,t)]] (the token-
     diagonal blocks), each entry within 5 standard errors (n = 4000 draws; 5σ covers the ≤ 10
     entries tested per case)."""
-    layers, q, noise, tol = IDENTITY_CASES[case]
-    n, R, T = 4000, layers, 2
-    y, omega, V = se_batch(layers, n, q, np.random.default_rng(12345), noise)
-    ch = model(layers).channel(noise=noise, tol=tol) if tol else model(layers).channel(noise=noise)
+    layers, q, noise, tol, T = (IDENTITY_CASES[case] + (2,))[:5]
+    n, R = 4000, layers
+    y, omega, V = se_batch(layers, n, q, np.random.default_rng(12345), noise, T)
+    ch = model(layers, T).channel(noise=noise, tol=tol) if tol else model(layers, T).channel(noise=noise)
     mo = ch.moments(y, omega, V)
     g = mo.g_out
     blocks = mo.dg_out.reshape(n, R, T, R, T)
