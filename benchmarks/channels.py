@@ -11,13 +11,14 @@ pinned, on more draws than the mpmath reference affords).
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
 The noisy rows use each Δ of --noise (noisy L = 2: the 4-D reference is ≈ 1e-3 accurate); the
-three-layer reference runs at n = 7 (bound ≤ 3e-5 on the draws checked; n = 5 left up to 1e-3).
+three-layer reference runs at n = 7 (bound ≤ 3e-5 on the draws checked; n = 5 left up to 1e-3),
+the two-layer T = 3 one (3-D, float64) at n = 11.
 Targets (issue 3): two-layer T = 2 route "reparam" ≤ 50 µs per sample at ≤ 1e-6; three-layer
 T = 2 ≤ 2 ms per sample at ≤ 1e-4.
 
     python benchmarks/channels.py [--timing-samples N] [--reference-samples K] [--q Q ...] [--layers L ...]
                                   [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
-                                  [--routes reparam noisy] [--noise Δ ...] [--self-reference K]
+                                  [--routes reparam noisy] [--tokens T ...] [--noise Δ ...] [--self-reference K]
                                   [--self-reference-tol TOL]
 """
 import argparse
@@ -36,6 +37,8 @@ from smi_core.channels import DEFAULT_NODES, NoisyChannel  # noqa: E402
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
     ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"error_estimate": False}, {"tol": 1e-6}]),
+    ("reparam", 2, 3, None, lambda y, o, V: ref.reparam_l2_t3(y, o, V, n=11),
+     [{}, {"error_estimate": False}, {"tol": 1e-6}]),
     ("reparam", 3, 2, None, lambda y, o, V: ref.reparam_l3(y, o, V, n=7),
      [{}, {"error_estimate": False}, {"tol": 1e-3}, {"tol": 1e-4}]),
     ("noisy", 1, 2, "Δ", lambda y, o, V, d: ref.noisy_l1(y, o, V, noise=d), [{}, {"error_estimate": False}]),
@@ -74,6 +77,7 @@ def main():
                         "for every case (e.g. two layers pinned on K draws, beyond the few mpmath ones)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
     p.add_argument("--layers", type=int, nargs="+", default=[1, 2, 3], help="the cases to run")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2, 3], help="the cases to run (T = 3: two layers)")
     p.add_argument("--noise", type=float, nargs="+", default=[0.1], help="Δ of the noisy rows")
     p.add_argument("--routes", nargs="+", default=["reparam", "noisy"], help="the routes to run")
     p.add_argument("--pinned", action="store_true",
@@ -85,7 +89,7 @@ def main():
     print(f"{'route':22s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
     for route, L, T, noise, reference, settings in CASES:
-        if L not in a.layers or route not in a.routes:
+        if L not in a.layers or T not in a.tokens or route not in a.routes:
             continue
         if noise:                                   # one row per Δ of --noise
             for delta in a.noise:

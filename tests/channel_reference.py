@@ -19,6 +19,8 @@ Cases (r = 1, tied softmax deep attention, skip c > 0, inverse temperature β):
                   (dh_2 = du_2/|det Φ⁽¹⁾|); 4-D, float64 only (see "Accuracy").
 - ``noisy_l2``    P(y|Z) = N(y; σ_β(u_2u_2ᵀ), Δ I), L = 2, T = 2, in the same coordinates (4-D,
                   float64; log Z_out exact).
+- ``reparam_l2_t3`` noiseless, L = 2, T = 3: x = h_1 ∈ R³, Z = [x; ±Φ(x)⁻¹u] (3-D, float64, the
+                  nested product rules of step 5; cliffs x_k = 0 and x_k = x_j, j < k).
 - ``mpquad_check`` the 2-D cases again by plain nested mp.quad (slow; validates the above).
 
 u_L from y (r = 1): log(y_ts/y_tt) = β u_t(u_s - u_t); T = 2: a = log(y₁₁/y₁₂)/β,
@@ -86,7 +88,9 @@ float64 design result, the mpmath pass and an independent fixed-order product ru
 1e-10; nested mp.quad (tanh-sinh, every moment separately, 15 digits) agrees to 2e-12 (noisy
 L = 1; tests/test_channels.py::test_reference_matches_mpquad, slow).  4-D: self-convergence,
 ≈ 1e-5 … 5e-5 for n = 5 and ≈ 1e-7 … 6e-6 for n = 6 on SE draws (q = 0 … 0.99) of L = 3; the
-noisy L = 2 route is harder (≈ 1e-3 at Δ = 1e-2, confirmed by importance sampling).
+noisy L = 2 route is harder (≈ 1e-3 at Δ = 1e-2, confirmed by importance sampling).  3-D (L = 2,
+T = 3): self-convergence ≈ 1e-10 … 2e-8 at n = 9 … 11 on SE draws at q = 0 … 0.99 (0.4–1.5 s);
+with the last layer pinned (q₂₂ ≥ 0.99) only ≈ 1e-6 … 1e-2.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Ground truth: tests/channel_reference.py (independent of derive/, codegen/, smi_core/):
 L = 1 in closed form (two points), L = 2 (T = 2) and the noisy L = 1 (T = 2) by nested adaptive
-Gauss–Legendre whose certified rule is evaluated in mpmath at 32 digits, L = 3 (T = 2) by nested
-product rules in float64 with a self-convergence error estimate.  Every comparison first checks
+Gauss–Legendre whose certified rule is evaluated in mpmath at 32 digits, L = 3 (T = 2) and
+L = 2 (T = 3) by nested product rules in float64 with a self-convergence error estimate.  Every comparison first checks
 that the reference's own error bound is well below the tolerance.
 
 Metric (per sample): max abs error over all entries of (g_out, dg_out) divided by the max abs
