@@ -508,8 +508,8 @@ class ReparamChannel(PolarRule, Channel):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
-        it are integrated again by the adaptive rule (``_pinned``), kept where its estimate is
-        lower.  L = 3 with ``tol``: samples above max(tol, PINNED3["floor"]) are integrated again
+        it are integrated again by the adaptive rule (``_pinned``; T = 3: the Laplace rule,
+        ``_laplace``), kept where its estimate is lower.  L = 3 with ``tol``: samples above max(tol, PINNED3["floor"]) are integrated again
         by the four-dimensional adaptive rule (``_pinned3``), kept where its estimate is lower."""
         log_z, mean, cov, error = super()._polar(y, omega, V, Vinv, logdetV)
         target = self._polar_target()

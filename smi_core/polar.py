@@ -1,4 +1,5 @@
-"""Polar rules for T = 2 deep attention (the channels' shared-node rule; see smi_core.channels).
+"""Polar rules for T = 2 deep attention, and the spherical rule for T = 3 with two layers (the
+channels' shared-node rules; see smi_core.channels).
 
 The softmax of a layer switches across the lines a = 0, b = 0 and a = b of its index (a, b), on
 a scale ≈ 1/(β r²) at radius r: all meet at the origin, so in polar coordinates about it the
@@ -120,7 +121,8 @@ class PolarRule:
         ``origin``; the prior of h_ℓ below e^{-reach²/2} is left out); N(r) = min(cap·scale·sharp·
         max(1, k/k0)^{capk/2}, ⌈scale (c0 + (c1 amp sharp β r² + c2 k/√(1 + k/k0)) · max(0.1,
         1 - d(r)²/(2 fade V_ℓℓ)))⌉)
-        angles, midpoint rule on [0, π): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much
+        angles, midpoint rule on [0, π) (T = 3: a shell of ``_sphere`` with N angles per half
+        circle, radial measure r² dr): c1 for the cliffs (amp = (1 + c)^{2(ℓ-1)} bounds how much
         Φ⁽ℓ⁻¹⁾ stretches h_ℓ into the logits; sharp > 1 where a likelihood narrows them); k = κr
         with κ = |ω_ℓ|/V_ℓℓ for the largest |ω_ℓ| of the group within reach of r (≤ r +
         reach·√V_ℓℓ), the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
@@ -300,13 +302,17 @@ class PolarRule:
         return log_z, mean, cov, error
 
 
+def _rank(sizes):
+    """For consecutive runs of the given sizes, each element's position within its run."""
+    return np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 def _circle(count):
     """The half circle of every ring (count: angles per ring): the unit vectors (M, 2) and log
     weights of the midpoint rule θ_k = (k + ½)π/N, ring after ring, and the node counts (= count)."""
     flat = count.ravel()
-    ring = np.repeat(np.arange(flat.size), flat)
-    N = flat[ring]
-    theta = (np.arange(ring.size) - np.repeat(np.cumsum(flat) - flat, flat) + 0.5) * np.pi / N
+    N = np.repeat(flat, flat)
+    theta = (_rank(flat) + 0.5) * np.pi / N
     return np.stack([np.cos(theta), np.sin(theta)], axis=1), np.log(np.pi / N), count
 
 
@@ -333,7 +339,7 @@ def _sphere_rule(N):
     rho = np.sqrt(1.0 - z * z)
     Nj = np.maximum(2, np.ceil(N * rho - 1e-9)).astype(np.int64)
     j = np.repeat(np.arange(N), Nj)
-    theta = (np.arange(j.size) - np.repeat(np.cumsum(Nj) - Nj, Nj) + 0.5) * np.pi / Nj[j]
+    theta = (_rank(Nj) + 0.5) * np.pi / Nj[j]
     unit = np.stack([rho[j] * np.cos(theta), rho[j] * np.sin(theta), z[j]], axis=1)
     return unit, np.log(wz[j] * np.pi / Nj[j])
 
@@ -359,7 +365,7 @@ def _by_node(rings):
     flat = rings.count.ravel()
     ring = np.repeat(np.arange(flat.size), flat)
     per = rings.count.sum(axis=1)
-    pos = np.arange(ring.size) - np.repeat(np.cumsum(per) - per, per)
+    pos = _rank(per)
     g = ring // rings.count.shape[1]
     radius, far = np.full((G, per.max()), np.inf), np.full((G, per.max()), np.inf)
     count, node = np.zeros((G, per.max()), dtype=np.int64), np.zeros((G, per.max(), 2))

@@ -442,6 +442,22 @@ def test_reparam_l2_t3_state_evolution_draws(data):
     compare("L=2 T=3", channel(2, tokens=3), d, expected, RTOL, REF_TOL)
 
 
+@pytest.mark.parametrize("N", [6, 17, 40])
+def test_sphere_rule_integrates_polynomials(N):
+    """A shell of the spherical rule (node and antipode) integrates the monomials x^a y^b z^c
+    of degree ≤ 4 over S² exactly: ∫ = 2 Γ(α)Γ(β)Γ(γ)/Γ(α + β + γ), α = (a + 1)/2, … (zero
+    when a degree is odd)."""
+    from smi_core.polar import _sphere_rule
+    unit, log_w = _sphere_rule(N)
+    w = np.exp(log_w)
+    for a, b, c in [(i, j, k) for i in range(5) for j in range(5) for k in range(5) if i + j + k <= 4]:
+        f = unit[:, 0] ** a * unit[:, 1] ** b * unit[:, 2] ** c
+        got = w @ (f + (-1) ** (a + b + c) * f)                 # the antipode -x
+        al, be, ga = (a + 1) / 2, (b + 1) / 2, (c + 1) / 2
+        exact = 0.0 if (a % 2 or b % 2 or c % 2) else 2 * math.gamma(al) * math.gamma(be) * math.gamma(ga) / math.gamma(al + be + ga)
+        assert abs(got - exact) <= 1e-13, (a, b, c, got, exact)
+
+
 @pytest.mark.parametrize("q", [0.0, 0.5, 0.9])
 def test_reparam_l2_t3_default_spherical_rule(q):
     """The default two-layer T = 3 rule (shells about the origin, no tol) on state-evolution
