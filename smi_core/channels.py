@@ -451,9 +451,10 @@ class ReparamChannel(PolarRule, Channel):
     POLAR_BY_LAYERS = {3: dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, capk=0.5, reach=5.5,
                                bin=np.inf, blend=0.25)}
 
-    # T = 3 (the spherical rule, two layers): one group per V, as three layers (each sample runs
-    # over its own shells; a shell holds ≈ 0.64 N² nodes against N for a ring, so per-group node
-    # set-up would dominate: 1.76 against 0.52 ms per sample at q = 0.9, 1024 draws)
+    # T = 3 (the spherical rule, two layers): groups of |ω_1| cells 2√V_11 wide (each sample runs
+    # over its own shells; a shell holds ≈ 0.64 N² nodes against N for a ring, so the T = 2 cells,
+    # 0.25√V_11, spent most of the time in node set-up: 1.76 against 0.51 ms per sample at q = 0.9,
+    # 1024 draws, without the estimate; one group per V, 0.52 ms, left a draw 9.8e-6 off)
     POLAR_T3 = dict(bin=2.0)
 
     def _polar_params(self):
@@ -509,8 +510,9 @@ class ReparamChannel(PolarRule, Channel):
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
         it are integrated again by the adaptive rule (``_pinned``; T = 3: the Laplace rule,
-        ``_laplace``), kept where its estimate is lower.  L = 3 with ``tol``: samples above max(tol, PINNED3["floor"]) are integrated again
-        by the four-dimensional adaptive rule (``_pinned3``), kept where its estimate is lower."""
+        ``_laplace``), kept where its estimate is lower.  L = 3 with ``tol``: samples above
+        max(tol, PINNED3["floor"]) are integrated again by the four-dimensional adaptive rule
+        (``_pinned3``), kept where its estimate is lower."""
         log_z, mean, cov, error = super()._polar(y, omega, V, Vinv, logdetV)
         target = self._polar_target()
         if target is not None and self.model.layers == 3:
