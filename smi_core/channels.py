@@ -331,9 +331,9 @@ def _inverse_logdet(mix):
         det = phi[0] * phi[3] - phi[1] * phi[2]
     else:
         M = phi[:9].reshape(3, 3, -1)
-        adj = np.stack([np.cross(M[(j + 1) % 3], M[(j + 2) % 3], axis=0)[i]
-                        for i in range(3) for j in range(3)])       # adj_ij = cofactor_ji
-        det = np.einsum("in,in->n", M[0], adj[0::3])
+        C = np.stack([np.cross(M[(j + 1) % 3], M[(j + 2) % 3], axis=0) for j in range(3)])  # cofactors
+        adj = C.swapaxes(0, 1).reshape(9, -1)                           # adj_ij = C_ji
+        det = np.einsum("in,in->n", M[0], C[0])
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.concatenate([adj / det, phi[-1:]])
 

@@ -307,13 +307,18 @@ def _rank(sizes):
     return np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
+def _half_circles(sizes):
+    """The midpoint rule θ_k = (k + ½)π/N on [0, π) of consecutive circles of N = sizes points:
+    the angles and each node's log weight log(π/N)."""
+    N = np.repeat(sizes, sizes)
+    return (_rank(sizes) + 0.5) * np.pi / N, np.log(np.pi / N)
+
+
 def _circle(count):
-    """The half circle of every ring (count: angles per ring): the unit vectors (M, 2) and log
-    weights of the midpoint rule θ_k = (k + ½)π/N, ring after ring, and the node counts (= count)."""
-    flat = count.ravel()
-    N = np.repeat(flat, flat)
-    theta = (_rank(flat) + 0.5) * np.pi / N
-    return np.stack([np.cos(theta), np.sin(theta)], axis=1), np.log(np.pi / N), count
+    """The half circle of every ring (count: angles per ring, ``_half_circles``): the unit
+    vectors (M, 2) and log weights, ring after ring, and the node counts (= count)."""
+    theta, log_w = _half_circles(count.ravel())
+    return np.stack([np.cos(theta), np.sin(theta)], axis=1), log_w, count
 
 
 def _sphere(count):
@@ -339,9 +344,9 @@ def _sphere_rule(N):
     rho = np.sqrt(1.0 - z * z)
     Nj = np.maximum(2, np.ceil(N * rho - 1e-9)).astype(np.int64)
     j = np.repeat(np.arange(N), Nj)
-    theta = (_rank(Nj) + 0.5) * np.pi / Nj[j]
+    theta, log_w = _half_circles(Nj)
     unit = np.stack([rho[j] * np.cos(theta), rho[j] * np.sin(theta), z[j]], axis=1)
-    return unit, np.log(wz[j] * np.pi / Nj[j])
+    return unit, np.log(wz[j]) + log_w
 
 
 def _merge(total, idx, part):

@@ -283,7 +283,24 @@ class _Problem:
         return out
 
 
-class ReparamL2(_Problem):
+class _FirstRow(_Problem):
+    """Problems integrated over x = h_1 (the first row of Z, T coordinates): the box about ω_1,
+    the softmax cliffs of σ_β(x xᵀ) and the starts ±ω_1."""
+
+    def box(self, K):
+        half = K * math.sqrt(self.V[0, 0])
+        return self.omega[0] - half, self.omega[0] + half
+
+    def cliffs(self, k, prefix):
+        """Row t of σ_β(x xᵀ) has logits β x_t x_s: it switches where x_t = 0 or x_s = x_s', so
+        level k breaks at x_k = 0 and x_k = x_j, j < k."""
+        return np.concatenate([np.zeros((len(prefix), 1)), prefix[:, :k]], axis=1)
+
+    def starts(self):
+        return [s * self.omega[0] for s in (1.0, -1.0)]
+
+
+class ReparamL2(_FirstRow):
     d, S, R, T = 2, 2, 2, 2
 
     def __init__(self, y, omega, V, skip, beta):
@@ -312,14 +329,6 @@ class ReparamL2(_Problem):
             out.append((self.gauss(Z, mp) - mp.log(abs(det)), Z))
         return out
 
-    def box(self, K):
-        half = K * math.sqrt(self.V[0, 0])
-        return self.omega[0] - half, self.omega[0] + half
-
-    def cliffs(self, k, prefix):
-        zero = np.zeros((len(prefix), 1))
-        return zero if k == 0 else np.concatenate([zero, prefix[:, :1]], axis=1)
-
     def tail(self, K, Zref):
         """x ~ N(ω_1, V_11 I) outside the box; the other factor N(h_2; m(x), s² I)/|det Φ| is at
         most (2π s²)^{-T/2} / (c(c+1)) (T = 2: det Φ = (c+1)(c + s11 + s22 - 1) ≥ c(c+1) since
@@ -334,11 +343,8 @@ class ReparamL2(_Problem):
         m2 = 2 * v11 * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout) + A0 * math.exp(log_pout)
         return math.log(self.S) + log_sup + log_pout, math.log(self.S) + log_sup + math.log(m2)
 
-    def starts(self):
-        return [s * self.omega[0] for s in (1.0, -1.0)]
 
-
-class ReparamL2T3(_Problem):
+class ReparamL2T3(_FirstRow):
     """Noiseless L = 2, T = 3 (float64 only): x = h_1 ∈ R³, Z = [x; ±Φ(x)⁻¹u], Φ = cI + σ_β(x xᵀ),
     density ∝ Σ_± N(Z; ω, V) / |det Φ(x)|, by the nested product rules of ``reparam_l3``."""
     d, S, R, T = 3, 2, 2, 3
@@ -354,14 +360,6 @@ class ReparamL2T3(_Problem):
         Phi = self.c * np.eye(3) + A / A.sum(axis=2, keepdims=True)
         h2 = np.linalg.solve(Phi, np.broadcast_to(self.u, X.shape)[:, :, None])[:, :, 0]
         return [X, h2], -np.linalg.slogdet(Phi)[1]
-
-    def box(self, K):
-        half = K * math.sqrt(self.V[0, 0])
-        return self.omega[0] - half, self.omega[0] + half
-
-    def cliffs(self, k, prefix):
-        """Row t of σ_β(x xᵀ) has logits β x_t x_s: it switches where x_t = 0 or x_s = x_s'."""
-        return np.concatenate([np.zeros((len(prefix), 1)), prefix[:, :k]], axis=1)
 
     def tail(self, K, Zref):
         """x ~ N(ω_1, V_11 I) outside the box (P_out ≤ 2T Φ(-K)); the rest is N(±h_2; m(x), s² I)
@@ -382,11 +380,8 @@ class ReparamL2T3(_Problem):
               + 2 * (2 * d2 * pout + 2 * k * k * ex2) + 4 * s2 / math.e * pout)  # |Z_2 - z_2|²
         return math.log(self.S) + log_sup + log_pout, math.log(self.S) + log_sup + math.log(m2)
 
-    def starts(self):
-        return [s * self.omega[0] for s in (1.0, -1.0)]
 
-
-class NoisyL1(_Problem):
+class NoisyL1(_FirstRow):
     """P(y|Z) = N(y; σ_β(h hᵀ), Δ I_{T²}), L = 1, T = 2 (R = 1): x = h, one term."""
     d, S, R, T = 2, 1, 1, 2
 
@@ -416,12 +411,6 @@ class NoisyL1(_Problem):
         ll = -sq / (2 * noise) - 2 * mp.log(2 * mp.pi * noise)
         return [(self.gauss(Z, mp) + ll, Z)]
 
-    def box(self, K):
-        half = K * math.sqrt(self.V[0, 0])
-        return self.omega[0] - half, self.omega[0] + half
-
-    cliffs = ReparamL2.cliffs
-
     def tail(self, K, Zref):
         T = self.T
         log_sup = -0.5 * T * T * math.log(2 * math.pi * self.noise)
@@ -429,9 +418,6 @@ class NoisyL1(_Problem):
         m2 = (2 * self.V[0, 0] * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout)
               + 2 * np.sum((self.omega[0] - Zref[0]) ** 2) * math.exp(log_pout))
         return log_sup + log_pout, log_sup + math.log(m2)
-
-    def starts(self):
-        return [s * self.omega[0] for s in (1.0, -1.0)]
 
 
 class ReparamL3(_Problem):
@@ -525,12 +511,6 @@ class NoisyL2(ReparamL3):
         sq = sum((yi - si) ** 2 for yi, si in zip(self.y.ravel(), s))
         loglik = -sq / (2 * self.noise) - 2 * math.log(2 * math.pi * self.noise)
         return [X[:, :2], np.stack(h2, axis=1)], loglik - np.log(np.abs(det1))
-
-    def box(self, K):
-        half1 = K * math.sqrt(self.V[0, 0])
-        B2 = (1 + self.c) * (np.abs(self.omega[1]).max() + K * math.sqrt(self.V[1, 1]))
-        return (np.concatenate([self.omega[0] - half1, [-B2, -B2]]),
-                np.concatenate([self.omega[0] + half1, [B2, B2]]))
 
     def tail(self, K, Zref):
         """(h_1, h_2) ~ N(ω, V ⊗ I) outside box_1 × box_2; the likelihood is ≤ (2πΔ)^{-T²/2}."""
