@@ -472,6 +472,7 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* Z          # up to 8 terms × RT
     double* lf         # up to 8 terms
     double* lq
+    double* ldA        # log|det A_m| per piece
     double* P          # one point's moment sums (1 + RT + RT²), ``_point``
 
 
@@ -481,8 +482,8 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
                         const double* logh, int M, int d, const double* ref, int R, int T,
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
-    cdef int i, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 8 * RT + 8 + M + 1
+    cdef int i, m, RT = R * T
+    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 8 * RT + 8 + 2 * M + 1
                                           + 1 + RT + RT * RT) * sizeof(double))
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
     s.polar = 0
@@ -501,7 +502,12 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.Z = s.x + d
     s.lf = s.Z + 8 * RT
     s.lq = s.lf + 8
-    s.P = s.lq + M + 1
+    s.ldA = s.lq + M + 1
+    s.P = s.ldA + M
+    for m in range(M if A != NULL else 0):
+        s.ldA[m] = 0.0
+        for i in range(d):
+            s.ldA[m] += log(A[(m * d + i) * d + i])
     if route == 0:
         for i in range(n_data):
             s.node_in[i] = data[i]
@@ -514,7 +520,7 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
     with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 = √t_2 (cos θ_2, sin θ_2) and
     x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|."""
     cdef int d = s.d, i, l, j
-    cdef double base = 0.0, lmax, lse
+    cdef double base = s.ldA[m], lmax, lse
     if s.polar:
         s.x[0], s.x[1] = sqrt(xi[0]) * cos(xi[1]), sqrt(xi[0]) * sin(xi[1])
         if d == 2:
@@ -525,7 +531,6 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
         s.x[2], s.x[3] = s.out1[0], s.out1[1]
         return -2 * M_LN2 - s.out1[2]
     for i in range(d):
-        base += log(s.A[(m * d + i) * d + i])
         s.x[i] = s.centers[m * d + i]
         for l in range(i + 1):
             s.x[i] += s.A[(m * d + i) * d + l] * xi[l]
@@ -537,7 +542,7 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
                 lmax = s.lq[j]
         lse = 0.0
         for j in range(s.M):
-            lse += exp(s.lq[j] - lmax)
+            lse += smi_exp_neg(s.lq[j] - lmax)
         base += s.lq[m] - lmax - log(lse)
     return base
 
@@ -620,8 +625,8 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
         for k in range(G):
             base = _place(&s, m, xi + k * d) + lw[k]
             nt = _terms(&s, s.x)
-            for t in range(nt):
-                if s.lf[t] > -INFINITY:
+            for t in range(nt):     # (a term e^-SMI_SKIP below the sums so far adds < 3e-20 of them)
+                if s.lf[t] > -INFINITY and base + s.lf[t] >= acc.mx - SMI_SKIP:
                     _add(&acc, base + s.lf[t], s.Z + t * RT, ref)
     _acc_finish(&acc, log_z, mean, second)
     free(work)
