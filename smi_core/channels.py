@@ -209,10 +209,12 @@ class Channel:
                 nodes = finer_nodes
         if self.tol is not None:                # then adaptive cubature
             redo = np.flatnonzero(~(error <= self.tol))
-            if redo.size:
-                better, error[redo] = self._adaptive(tuple(a[redo] for a in args), const0[redo], V[redo])
+            if redo.size:       # kept where finite (not so on 4 of 60 pinned T = 3 samples)
+                better, achieved = self._adaptive(tuple(a[redo] for a in args), const0[redo], V[redo])
+                ok = np.isfinite(achieved) & np.isfinite(better[2]).all(axis=(1, 2))
+                error[redo[ok]] = achieved[ok]
                 for a, b in zip(fine, better):
-                    a[redo] = b
+                    a[redo[ok]] = b[ok]
         log_z, mean, second = fine
         cov = second - mean[:, :, None] * mean[:, None, :]
         return log_z, ref + mean, cov, error
