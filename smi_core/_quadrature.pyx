@@ -543,7 +543,7 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
         lse = 0.0
         for j in range(s.M):
             lse += smi_exp_neg(s.lq[j] - lmax)
-        base += s.lq[m] - lmax - log(lse)
+        base += s.lq[m] - lmax - (log(lse) if lse > 1.0 + 1e-8 else lse - 1.0)   # (log(1 + ε) - ε < 5e-17)
     return base
 
 
