@@ -15,9 +15,12 @@ maximum of the log weights so nothing overflows.  The integrand comes from a gen
   f(x) = Σ_± N([x; ±h_L]; ω, V) / |det Φ|.
 - route 1 (Gaussian output noise Δ): x = Z; kernel x → g(x); f(x) = N(x; ω, V) N(y; g(x), Δ I).
 
-Every driver evaluates the integrand through the same two functions: ``_place`` (the node
-x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → the terms of f at x,
-with their index matrices Z).  Drivers: ``integrate`` (a fixed rule on every partition piece),
+The adaptive drivers evaluate the integrand point by point through two functions: ``_place``
+(the node x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → the terms
+of f at x, with their index matrices Z).  The fixed rule runs by tiles of nodes instead
+(``smi_laplace_tile``: the same integrand as loops over the tile that the compiler vectorises,
+the kernel still called node by node; 1.5–1.9× faster than point by point, moments within
+1e-14).  Drivers: ``integrate`` (a fixed rule on every partition piece),
 ``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance), ``integrate_polar``
 (route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
 nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3:
@@ -362,6 +365,213 @@ cdef extern from *:
         smi_about(s0, sm, sq, om, 6, out);
         return mx;
     }
+
+    /* The Laplace rule (``integrate``) on K <= SMI_TILE nodes x_k = c_m + A_m xi_k of partition
+       piece m of one sample, by rows of the tile (the loops over the nodes vectorise; only the
+       kernel is called node by node): the nodes; their partition weights pi_m(x_k), as the log
+       bound lb_k = lw_k + log|det A_m| + lq_m - max_j lq_j and the factor 1 / sum_j
+       e^(lq_j - max) (lq_j = logh_j - (x - c_j)' H_j (x - c_j) / 2); the kernel; the terms' log
+       weights lf and the tile's maximum mx of lb + lf.  Unless mx < floor, then the weights
+       e^(lb + lf - mx) / sum and out = [s0, s1, the upper triangle of s2 row by row] of Z - ref.
+       Route 0: x = h_{<L} (d values), kernel (data, x) -> [h_L (T), log|det Phi|], two terms
+       Z = [x; +-h_L] with lf = const0 - Q(Z)/2 - log|det Phi|; route 1: Z = x, kernel x -> g
+       (n_out values), one term, lf = const0 - Q(Z)/2 - |data - g|^2 / (2 delta); Q(Z) =
+       sum_t (Z_t - omega_t)' P (Z_t - omega_t).  Terms with a non-finite value weigh 0.  buf:
+       (RT + M + n_out + 6) SMI_TILE doubles; kout: the kernel's outputs. */
+    typedef void (*smi_kernel)(const double*, const double*, double*);
+    static double smi_laplace_tile(int route, smi_kernel f, const double* par, double* node_in,
+                                   int n_data, int n_out, const double* data, double delta,
+                                   const double* omega, const double* P, double const0, int R,
+                                   int T, int d, int M, int m, const double* centers,
+                                   const double* A, const double* H, const double* logh,
+                                   double ldA, const double* xi, const double* lw, long K,
+                                   const double* ref, double floor, double* buf, double* kout,
+                                   double* out) {
+        const int RT = R * T, nt = route == 0 ? 2 : 1, last = route == 0 ? d : RT;
+        double* X = buf;                                /* Z of the first term, RT rows */
+        double* LQ = X + RT * SMI_TILE;                 /* the pieces' lq, M rows */
+        double* KO = LQ + M * SMI_TILE;                 /* kernel outputs, n_out rows */
+        double* LB = KO + n_out * SMI_TILE;
+        double* INV = LB + SMI_TILE;
+        double* LMX = INV + SMI_TILE;
+        double* OK = LMX + SMI_TILE;
+        double* LF = OK + SMI_TILE;                     /* nt rows */
+        const double* c = centers + m * d;
+        const double* Am = A + m * d * d;
+        for (int i = 0; i < d; i++) {                   /* the nodes */
+            double* restrict Xi = X + i * SMI_TILE;
+            for (long k = 0; k < K; k++)
+                Xi[k] = c[i];
+            for (int l = 0; l <= i; l++) {
+                const double a = Am[i * d + l];
+                for (long k = 0; k < K; k++)
+                    Xi[k] += a * xi[k * d + l];
+            }
+        }
+        int active = 0;                                 /* the partition of unity */
+        for (int j = 0; j < M; j++)
+            active += logh[j] > -INFINITY;
+        for (long k = 0; k < K; k++) {
+            LB[k] = lw[k] + ldA;
+            INV[k] = 1.0;
+            LMX[k] = -INFINITY;
+        }
+        if (active > 1) {
+            for (int j = 0; j < M; j++) {
+                if (!(logh[j] > -INFINITY))
+                    continue;
+                double* restrict Q = LQ + j * SMI_TILE;
+                const double* cj = centers + j * d;
+                const double* Hj = H + j * d * d;
+                for (long k = 0; k < K; k++)
+                    Q[k] = 0.0;
+                for (int i = 0; i < d; i++)
+                    for (int l = 0; l < d; l++) {
+                        const double h = Hj[i * d + l], ci = cj[i], cl = cj[l];
+                        const double* restrict Xi = X + i * SMI_TILE;
+                        const double* restrict Xl = X + l * SMI_TILE;
+                        #pragma omp simd
+                        for (long k = 0; k < K; k++)
+                            Q[k] += (Xi[k] - ci) * h * (Xl[k] - cl);
+                    }
+                const double lh = logh[j];
+                #pragma omp simd
+                for (long k = 0; k < K; k++) {
+                    Q[k] = lh - 0.5 * Q[k];
+                    LMX[k] = Q[k] > LMX[k] ? Q[k] : LMX[k];
+                }
+            }
+            for (long k = 0; k < K; k++)
+                INV[k] = 0.0;
+            for (int j = 0; j < M; j++) {
+                if (!(logh[j] > -INFINITY))
+                    continue;
+                const double* restrict Q = LQ + j * SMI_TILE;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    INV[k] += smi_exp_neg(Q[k] - LMX[k]);
+            }
+            const double* restrict Qm = LQ + m * SMI_TILE;
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                LB[k] += Qm[k] - LMX[k];
+                INV[k] = 1.0 / INV[k];
+            }
+        }
+        for (long k = 0; k < K; k++) {                  /* the kernel, node by node */
+            double* in = route == 0 ? node_in + n_data : node_in;
+            for (int i = 0; i < d; i++)
+                in[i] = X[i * SMI_TILE + k];
+            f(node_in, par, kout);
+            for (int o = 0; o < n_out; o++)
+                KO[o * SMI_TILE + k] = kout[o];
+        }
+        for (long k = 0; k < K; k++)
+            OK[k] = 1.0;
+        if (route == 0) {                               /* h_L: the last layer's rows */
+            for (int t = 0; t < T; t++)
+                for (long k = 0; k < K; k++)
+                    OK[k] = SMI_FINITE(KO[t * SMI_TILE + k]) ? OK[k] : 0.0;
+            for (long k = 0; k < K; k++)
+                OK[k] = SMI_FINITE(KO[T * SMI_TILE + k]) ? OK[k] : 0.0;
+            for (int t = 0; t < T; t++) {
+                double* restrict Xh = X + (d + t) * SMI_TILE;
+                const double* restrict Ht = KO + t * SMI_TILE;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Xh[k] = OK[k] > 0 ? Ht[k] : 0.0;
+            }
+        }
+        for (int s = 0; s < nt; s++)                    /* the terms' log weights */
+            for (long k = 0; k < K; k++)
+                LF[s * SMI_TILE + k] = 0.0;
+        for (int t = 0; t < T; t++)
+            for (int a = 0; a < R; a++)
+                for (int b = 0; b < R; b++) {
+                    const double p = P[a * R + b], oa = omega[a * T + t], ob = omega[b * T + t];
+                    const double* restrict Xa = X + (a * T + t) * SMI_TILE;
+                    const double* restrict Xb = X + (b * T + t) * SMI_TILE;
+                    double* restrict L0 = LF;
+                    #pragma omp simd
+                    for (long k = 0; k < K; k++)
+                        L0[k] += p * (Xa[k] - oa) * (Xb[k] - ob);
+                    if (nt == 2) {                      /* the sign of h_L flipped */
+                        const double sa = a * T + t >= d ? -1.0 : 1.0, sb = b * T + t >= d ? -1.0 : 1.0;
+                        double* restrict L1 = LF + SMI_TILE;
+                        #pragma omp simd
+                        for (long k = 0; k < K; k++)
+                            L1[k] += p * (sa * Xa[k] - oa) * (sb * Xb[k] - ob);
+                    }
+                }
+        if (route == 0) {
+            const double* restrict LD = KO + T * SMI_TILE;
+            for (int s = 0; s < 2; s++) {
+                double* restrict Ls = LF + s * SMI_TILE;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Ls[k] = const0 - 0.5 * Ls[k] - (OK[k] > 0 ? LD[k] : 0.0);
+            }
+        } else {
+            const double c2 = 0.5 / delta;
+            for (long k = 0; k < K; k++)
+                LF[k] = const0 - 0.5 * LF[k];
+            for (int o = 0; o < n_out; o++) {
+                const double y = data[o];
+                const double* restrict G = KO + o * SMI_TILE;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    LF[k] -= c2 * (y - G[k]) * (y - G[k]);
+            }
+        }
+        double mx = -INFINITY;
+        for (int s = 0; s < nt; s++) {
+            double* restrict Ls = LF + s * SMI_TILE;
+            #pragma omp simd reduction(max: mx)
+            for (long k = 0; k < K; k++) {
+                double v = LB[k] + Ls[k];
+                int ok = OK[k] > 0 && SMI_FINITE(v);
+                Ls[k] = ok ? v : -INFINITY;
+                mx = ok && v > mx ? v : mx;
+            }
+        }
+        if (mx < floor || mx == -INFINITY)              /* the tile is negligible */
+            return mx;
+        for (int s = 0; s < nt; s++) {
+            double* restrict Ls = LF + s * SMI_TILE;
+            #pragma omp simd
+            for (long k = 0; k < K; k++)
+                Ls[k] = Ls[k] > -INFINITY ? smi_exp_neg(Ls[k] - mx) * INV[k] : 0.0;
+        }
+        for (int r = 0; r < 1 + RT + RT * (RT + 1) / 2; r++)
+            out[r] = 0.0;
+        for (int s = 0; s < nt; s++) {
+            const double* restrict Ws = LF + s * SMI_TILE;
+            double s0 = 0.0;
+            #pragma omp simd reduction(+: s0)
+            for (long k = 0; k < K; k++)
+                s0 += Ws[k];
+            out[0] += s0;
+            for (int i = 0, r = 0; i < RT; i++) {
+                const double si = s == 1 && i >= last ? -1.0 : 1.0, ri = ref[i];
+                const double* restrict Xi = X + i * SMI_TILE;
+                double s1 = 0.0;
+                #pragma omp simd reduction(+: s1)
+                for (long k = 0; k < K; k++)
+                    s1 += Ws[k] * (si * Xi[k] - ri);
+                out[1 + i] += s1;
+                for (int j = i; j < RT; j++, r++) {
+                    const double sj = s == 1 && j >= last ? -1.0 : 1.0, rj = ref[j];
+                    const double* restrict Xj = X + j * SMI_TILE;
+                    double s2 = 0.0;
+                    #pragma omp simd reduction(+: s2)
+                    for (long k = 0; k < K; k++)
+                        s2 += Ws[k] * (si * Xi[k] - ri) * (sj * Xj[k] - rj);
+                    out[1 + RT + r] += s2;
+                }
+            }
+        }
+        return mx;
+    }
     """
     double smi_exp_neg(double x) noexcept nogil
     int SMI_TILE             # integrate_polar, L ≥ 2: nodes per tile (its buffers stay in L1)
@@ -375,6 +585,13 @@ cdef extern from *:
     double smi_sphere2(const double* u, const double* om, const double* P, double const0,
                        const double* nodes, long stride, long K, double floor, double* buf,
                        double* out) noexcept nogil
+    double smi_laplace_tile(int route, kernel_t f, const double* par, double* node_in, int n_data,
+                            int n_out, const double* data, double delta, const double* omega,
+                            const double* P, double const0, int R, int T, int d, int M, int m,
+                            const double* centers, const double* A, const double* H,
+                            const double* logh, double ldA, const double* xi, const double* lw,
+                            long K, const double* ref, double floor, double* buf, double* kout,
+                            double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -610,26 +827,38 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
                   const double* xi, const double* lw, int G, int d,
                   const double* ref, int R, int T, int n_node, double delta,
                   double* log_z, double* mean, double* second) noexcept nogil:
-    cdef int RT = R * T, m, k, t, nt
-    cdef Site s
+    """The rule on every partition piece, tile by tile (``smi_laplace_tile``)."""
+    cdef int RT = R * T, m, i, k0, n_out = n_node
+    cdef long K
     cdef Acc acc
-    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), base
+    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), ldA, top
     if route == 1:
         const0 -= 0.5 * n_node * log(2 * M_PI * delta)
-    cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
-                                   A, H, logh, M, d, ref, R, T, n_node, delta)
+    cdef double* buf = <double*> malloc(((RT + M + n_out + 6) * SMI_TILE + 1 + RT + RT * RT
+                                         + n_data + d + n_node * (1 + d)) * sizeof(double))
+    cdef double* part = buf + (RT + M + n_out + 6) * SMI_TILE
+    cdef double* node_in = part + 1 + RT + RT * RT
+    cdef double* kout = node_in + n_data + d
+    if route == 0:
+        memcpy(node_in, data, n_data * sizeof(double))
     _acc_init(&acc, RT)
     for m in range(M):
         if not logh[m] > -INFINITY:
             continue
-        for k in range(G):
-            base = _place(&s, m, xi + k * d) + lw[k]
-            nt = _terms(&s, s.x)
-            for t in range(nt):     # (a term e^-SMI_SKIP below the sums so far adds < 3e-20 of them)
-                if s.lf[t] > -INFINITY and base + s.lf[t] >= acc.mx - SMI_SKIP:
-                    _add(&acc, base + s.lf[t], s.Z + t * RT, ref)
+        ldA = 0.0
+        for i in range(d):
+            ldA += log(A[(m * d + i) * d + i])
+        k0 = 0
+        while k0 < G:
+            K = min(SMI_TILE, G - k0)
+            top = smi_laplace_tile(route, f, par, node_in, n_data, n_out, data, delta, omega, Vinv,
+                                   const0, R, T, d, M, m, centers, A, H, logh, ldA, xi + k0 * d,
+                                   lw + k0, K, ref, acc.mx - SMI_SKIP, buf, kout, part)
+            if top >= acc.mx - SMI_SKIP and top > -INFINITY:
+                _add_sums(&acc, top, part)
+            k0 += SMI_TILE
     _acc_finish(&acc, log_z, mean, second)
-    free(work)
+    free(buf)
 
 
 def integrate(int route, capsule, const double[::1] params, const double[:, ::1] data,
