@@ -15,9 +15,10 @@ Nodes sit on the posterior: every mode (one per sign of u_L and reflection of an
 or per symmetry of the link) is found by Gauss–Newton, the integral is split by a partition of
 unity over the modes' Laplace Gaussians, and each piece is integrated by a Gauss–Hermite tensor
 rule centred and scaled on its mode (d ≤ 4), or by randomised QMC (d > 4).  The error estimate
-is the difference to a coarser rule; with ``tol`` the node count grows (×1.5, while n^d ≤
-GH_BUDGET, each rule checked against the previous one), and samples still above it go to
-adaptive Genz–Malik cubature.
+is the difference to a coarser rule; with ``tol`` (and for two-layer attention above
+``escalate`` by default) the node count grows (×1.5, while n^d ≤ GH_BUDGET, each rule checked
+against the previous one), and with ``tol`` samples still above it go to adaptive Genz–Malik
+cubature.  The fixed rules run by tiles of nodes (``_quadrature.integrate``).
 
 T = 2 and L = 2 or 3 with broad posteriors over the earlier layers: the softmax of layer 1
 switches across the lines a = 0, b = 0 and a = b of h_1 = (a, b), on a scale ≈ 1/(β|h_1|) —
