@@ -616,6 +616,15 @@ cdef inline double _quad_h(const double* x, const double* c, const double* H, in
     return acc
 
 
+cdef inline double _logdet_tri(const double* A, int d) noexcept nogil:
+    """log|det A| of a lower-triangular d × d A with a positive diagonal (a piece's rule scale)."""
+    cdef int i
+    cdef double acc = 0.0
+    for i in range(d):
+        acc += log(A[i * d + i])
+    return acc
+
+
 cdef struct Acc:
     double mx
     double s0
@@ -722,9 +731,7 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     s.ldA = s.lq + M + 1
     s.P = s.ldA + M
     for m in range(M if A != NULL else 0):
-        s.ldA[m] = 0.0
-        for i in range(d):
-            s.ldA[m] += log(A[(m * d + i) * d + i])
+        s.ldA[m] = _logdet_tri(A + m * d * d, d)
     if route == 0:
         for i in range(n_data):
             s.node_in[i] = data[i]
@@ -828,7 +835,7 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
                   const double* ref, int R, int T, int n_node, double delta,
                   double* log_z, double* mean, double* second) noexcept nogil:
     """The rule on every partition piece, tile by tile (``smi_laplace_tile``)."""
-    cdef int RT = R * T, m, i, k0, n_out = n_node
+    cdef int RT = R * T, m, k0, n_out = n_node
     cdef long K
     cdef Acc acc
     cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), ldA, top
@@ -845,9 +852,7 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
     for m in range(M):
         if not logh[m] > -INFINITY:
             continue
-        ldA = 0.0
-        for i in range(d):
-            ldA += log(A[(m * d + i) * d + i])
+        ldA = _logdet_tri(A + m * d * d, d)
         k0 = 0
         while k0 < G:
             K = min(SMI_TILE, G - k0)

@@ -476,16 +476,6 @@ def test_reparam_l2_t3_default_spherical_rule(q):
         assert ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) <= RTOL, (i, m.error[i])
 
 
-
-def _narrow_draws(T, q, n, seed=5):
-    """n state-evolution draws at q·I (q ≥ 0.96: h_1's conditional sd below POLAR_MIN_SD, so
-    the Laplace rule runs)."""
-    rng = np.random.default_rng(seed)
-    omega = math.sqrt(q) * rng.standard_normal((n, 2, T))
-    y = model(2, T).forward(omega + math.sqrt(1 - q) * rng.standard_normal((n, 2, T)))
-    return y, omega, (1 - q) * np.eye(2)
-
-
 @pytest.mark.parametrize("T, q, draws", [(2, 0.965, (83, 106)), (3, 0.965, (0, 1, 2, 3))])
 def test_reparam_l2_narrow_first_layer_escalates(T, q, draws):
     """h_1 narrow: by default the Laplace rule grows its nodes (×1.5) where its estimate is
@@ -493,7 +483,7 @@ def test_reparam_l2_narrow_first_layer_escalates(T, q, draws):
     nine were 1.4e-5 … 3.2e-5 off (draws 83 and 106 the worst two, confirmed by the reference),
     and with T = 3 up to 1.1e-5 on 8 draws."""
     n = max(draws) + 1 if T == 3 else 1024
-    y, omega, V = _narrow_draws(T, q, n)
+    y, omega, V = se_batch(2, n, q * np.eye(2), np.random.default_rng(5), tokens=T)
     ch = model(2, T).channel()
     assert (ch._polar_weight(omega[list(draws)], np.broadcast_to(V, (len(draws), 2, 2))) == 0).all()
     m = ch.moments(y, omega, V)
@@ -508,18 +498,13 @@ def test_reparam_l2_narrow_first_layer_escalates(T, q, draws):
         assert worst_plain > 1e-5          # the rule at the default nodes alone misses these
 
 
-
 def test_reparam_l2_t3_pinned_estimate_bounds_the_error():
     """T = 3 with the last layer pinned (q = diag(0, 0.99)), with ``tol``: where the spherical
     rule stays flagged, the Laplace rule's result is kept only with an estimate no lower than
     the two rules' difference.  On this draw (y at the softmax edge, smallest entry 2e-10) the
     Laplace rule's adaptive cubature was kept with an estimate of 1.4e-4 while 29 off the
     reference; now the error (5.7e-4) stays below the estimate."""
-    q = np.diag([0.0, 0.99])
-    rng = np.random.default_rng(11)
-    omega = np.einsum("ab,nbt->nat", sqrt_psd(q), rng.standard_normal((64, 2, 3)))
-    V = symmetric(np.eye(2) - q)
-    y = model(2, 3).forward(omega + np.einsum("ab,nbt->nat", sqrt_psd(V), rng.standard_normal((64, 2, 3))))
+    y, omega, V = se_batch(2, 64, np.diag([0.0, 0.99]), np.random.default_rng(11), tokens=3)
     i = 52
     m = channel(2, tokens=3).moments(y[i:i + 1], omega[i:i + 1], V)
     r = ref.reparam_l2_t3(y[i], omega[i], V, n=REF_N_T3)
