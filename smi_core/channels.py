@@ -15,7 +15,7 @@ Nodes sit on the posterior: every mode (one per sign of u_L and reflection of an
 or per symmetry of the link) is found by Gauss–Newton, the integral is split by a partition of
 unity over the modes' Laplace Gaussians, and each piece is integrated by a Gauss–Hermite tensor
 rule centred and scaled on its mode (d ≤ 4), or by randomised QMC (d > 4).  The error estimate
-is the difference to a coarser rule; with ``tol`` (and for two-layer attention above
+is the difference to a coarser rule; with ``tol`` (and for two- and three-layer attention above
 ``escalate`` by default) the node count grows (×1.5, while n^d ≤ GH_BUDGET, each rule checked
 against the previous one), and with ``tol`` samples still above it go to adaptive Genz–Malik
 cubature.  The fixed rules run by tiles of nodes (``_quadrature.integrate``).
@@ -406,14 +406,16 @@ class ReparamChannel(PolarRule, Channel):
     route, _route_id, _delta, _n_data_noise = "reparam", 0, 0.0, 0
 
     def __init__(self, model, escalate: float | None = None, **options):
-        """``escalate`` (L = 2): the estimate above which a sample gets finer rules (default
-        PINNED["escalate"]; ``tol`` when given)."""
+        """``escalate``: the estimate above which a sample gets finer rules (``tol`` when given;
+        default PINNED["escalate"] for L = 2, LAPLACE3_ESCALATE for L = 3, where only the
+        Laplace rule escalates)."""
         spec = model.spec
         if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
             raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
                              "use noise=Δ > 0 for the noisy route")
         super().__init__(model, **options)
-        self.escalate = self.PINNED["escalate"] if escalate is None else validate.positive("escalate", escalate)
+        default = self.LAPLACE3_ESCALATE if model.layers == 3 else self.PINNED["escalate"]
+        self.escalate = default if escalate is None else validate.positive("escalate", escalate)
         self._u_model = _shallow(model, self.threads, 1)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
@@ -432,6 +434,12 @@ class ReparamChannel(PolarRule, Channel):
     # correlated 0.98, conditional sd 0.011 / 0.029) at tol = 1e-7: estimate 2.1e-2 with 4 000
     # regions, 7.2e-5 with 200 000 (11 s), 6.4e-6 with 1 000 000 (46 s), the last two 2.3e-5 apart.
     LAPLACE3_REGIONS = 200000
+    # L = 3 on the Laplace path by default (with the estimate): samples above it get the finer
+    # Gauss–Hermite round (7 → 11 nodes per dimension; 17 would exceed GH_BUDGET).  On 64
+    # state-evolution draws per q, against the rule at 16 nodes: max error 1.1e-2 / 6.0e-3 /
+    # 1.6e-3 → 4.6e-4 / 1.7e-4 / 2.0e-5 at q = 0.97 / 0.98 / 0.99·I, 0.71 / 0.67 / 0.65 →
+    # 1.80 / 1.39 / 1.13 ms per sample (see the README)
+    LAPLACE3_ESCALATE = 1e-4
 
     # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
     POLAR_SCALE = {2: 1.0, 3: 4 / 7}    # node counts at the default ``nodes``
@@ -514,10 +522,13 @@ class ReparamChannel(PolarRule, Channel):
             self.escalate if self.escalates and self.error_estimate else None)
 
     def _laplace_target(self):
-        """As the polar rule's (two layers: ``escalate`` by default).  Without it, at q = 0.965·I
-        nine of 1024 state-evolution draws (T = 2, 14 nodes per dimension) were 1.4e-5 … 3.2e-5
-        off, and with T = 3 (9 nodes) up to 1.1e-5 of 8, estimating 24–180× their errors; at
-        14 nodes (T = 3) within 9.1e-9."""
+        """As the polar rule's (two layers: ``escalate`` by default), and for three layers
+        ``escalate`` by default too (LAPLACE3_ESCALATE), while their polar rule escalates only
+        with ``tol``.  Without it, at q = 0.965·I nine of 1024 two-layer state-evolution draws
+        (T = 2, 14 nodes per dimension) were 1.4e-5 … 3.2e-5 off, and with T = 3 (9 nodes) up
+        to 1.1e-5 of 8, estimating 24–180× their errors; at 14 nodes (T = 3) within 9.1e-9."""
+        if self.model.layers == 3 and self.tol is None:
+            return self.escalate if self.error_estimate else None
         return self._polar_target()
 
     def _polar(self, y, omega, V, Vinv, logdetV):

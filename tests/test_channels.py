@@ -913,6 +913,22 @@ def test_reparam_l3_tail_beyond_the_laplace_box():
     check_l3(Draw(y[4], omega[4], V, "tail", 0.96 * np.eye(3)))
 
 
+def test_reparam_l3_laplace_rule_escalates_by_default():
+    """Three layers with every layer narrow (q = 0.97·I: the Laplace rule), default channel:
+    samples whose estimate is above ``escalate`` (LAPLACE3_ESCALATE) get the finer Gauss–Hermite
+    round.  Draw 60 was 2.6e-3 off without it (measured 3.9e-5 with it); draw 53, y at the
+    softmax edge (smallest entry 9e-13), 1.1e-2 → 4.6e-4, still above 1e-4 but flagged."""
+    y, omega, V = se_batch(3, 64, 0.97 * np.eye(3), np.random.default_rng(7))
+    for i, tolerance in ((60, RTOL_L3), (53, None)):
+        r = ref.reparam_l3(y[i], omega[i], V, n=5)
+        assert r.error <= REF_TOL_L3
+        got = {name: model(3).channel(**options).moments(y[i:i + 1], omega[i:i + 1], V)
+               for name, options in (("default", {}), ("without", dict(escalate=1.0)))}
+        err = {name: ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) for name, m in got.items()}
+        assert err["without"] > 1e-3 and err["default"] < err["without"] / 10, err
+        assert err["default"] <= (tolerance or got["default"].error[0]) + r.error, (err, got["default"].error[0])
+
+
 # -- the noiseless limit of the noisy route ---------------------------------------------------------------
 
 def test_noisy_route_approaches_reparam_route_one_layer():
