@@ -437,8 +437,8 @@ class ReparamChannel(PolarRule, Channel):
     # L = 3 on the Laplace path by default (with the estimate): samples above it get the finer
     # Gauss–Hermite round (7 → 11 nodes per dimension; 17 would exceed GH_BUDGET).  On 64
     # state-evolution draws per q, against the rule at 16 nodes: max error 1.1e-2 / 6.0e-3 /
-    # 1.6e-3 → 4.6e-4 / 1.7e-4 / 2.0e-5 at q = 0.97 / 0.98 / 0.99·I, 0.71 / 0.67 / 0.65 →
-    # 1.80 / 1.39 / 1.13 ms per sample (see the README)
+    # 1.6e-3 → 4.6e-4 / 1.7e-4 / 2.0e-5 at q = 0.97 / 0.98 / 0.99·I, 0.57 / 0.54 / 0.53 →
+    # 1.69 / 1.36 / 1.06 ms per sample (see the README)
     LAPLACE3_ESCALATE = 1e-4
 
     # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
@@ -492,7 +492,9 @@ class ReparamChannel(PolarRule, Channel):
     def escalates(self) -> bool:
         """L = 2: samples whose estimate is above ``escalate`` get finer rules (``_polar``,
         ``_laplace``); without the estimate the result stands, off by up to 1e3 (relative) in
-        the pinned regime."""
+        the pinned regime.  L = 3 escalates only its Laplace rule (``_laplace_target``) and
+        counts as not escalating: state evolution and GAMP keep turning its estimate off (one
+        finer round there cost 2–4× per sample at q = 0.97 … 0.99·I)."""
         return self.model.layers == 2
 
     @property
