@@ -261,10 +261,13 @@ class Channel:
         return (log_z, mean, second), achieved
 
     def _spread(self, runs, omega, V, Vinv, ref):
-        """``_spread_of`` the runs' moments; a run is (log Z, E[Z] - ref, E[(Z - ref)(Z - ref)ᵀ])."""
-        return _spread_of([self._assemble(omega, V, Vinv, log_z, ref + mean,
-                                          second - mean[:, :, None] * mean[:, None, :], None, check=False)
-                           for log_z, mean, second in runs])
+        """``_differ`` of runs (log Z, E[Z] - ref, E[(Z - ref)(Z - ref)ᵀ])."""
+        return self._differ(omega, V, Vinv, *[(log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :])
+                                              for log_z, mean, second in runs])
+
+    def _differ(self, omega, V, Vinv, *results):
+        """``_spread_of`` the moments of results (log Z, E[Z], Cov[Z], ...) of the same samples."""
+        return _spread_of([self._assemble(omega, V, Vinv, *r[:3], None, check=False) for r in results])
 
     def _assemble(self, omega, V, Vinv, log_z, mean, cov, error, check=True) -> Moments:
         n, R, T = len(omega), self.R, self.T
@@ -553,8 +556,7 @@ class ReparamChannel(PolarRule, Channel):
                 self._pinned3, ref=mean[redo], shift=log_z[redo])
             better = rule(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
             if self.T == 3:     # the Laplace rule's estimate can miss mass: no lower than the rules' difference
-                differ = _spread_of([self._assemble(omega[redo], V[redo], Vinv[redo], *out, None, check=False)
-                                     for out in ((log_z[redo], mean[redo], cov[redo]), better[:3])])
+                differ = self._differ(omega[redo], V[redo], Vinv[redo], (log_z[redo], mean[redo], cov[redo]), better)
                 better = (*better[:3], np.maximum(better[3], differ))
             keep = better[3] < error[redo]
             for a, b in zip((log_z, mean, cov, error), better):
@@ -577,10 +579,9 @@ class ReparamChannel(PolarRule, Channel):
         if self.model.layers != 2 or self.tol is None or self.T != 2:
             return out
         cross = self.PINNED["cross"]
-        laplace = self._assemble(omega, V, Vinv, *out[:3], None, check=False)
         better = self._pinned(y, omega, V, Vinv, logdetV, tol=self.tol * cross,
                               max_regions=self.PINNED["cross_regions"])
-        differ = _spread_of([laplace, self._assemble(omega, V, Vinv, *better[:3], None, check=False)])
+        differ = self._differ(omega, V, Vinv, out, better)
         return (*better[:3], np.maximum(better[3] / cross, differ))
 
     # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
