@@ -94,15 +94,19 @@ class Channel:
     """``channel.moments(y, omega, V)``; build it with ``model.channel(**options)``."""
 
     route: str
+    MAX_REGIONS = 4000      # the adaptive rule's default budget per sample
 
     def __init__(self, model, nodes: int | None = None, tol: float | None = None,
                  error_estimate: bool = True, qmc_points: int = 4096, seed: int = 0,
-                 inflate: float = 1.0, max_regions: int = 4000, threads: int | None = None):
+                 inflate: float = 1.0, max_regions: int | None = None, threads: int | None = None):
+        """``max_regions``: the adaptive rule's budget per sample (None: MAX_REGIONS)."""
         self.model = model
         self.R, self.T = model.indices, model.tokens
         self.nodes, self.tol, self.error_estimate = nodes, tol, error_estimate or tol is not None
         self.qmc_points, self.seed, self.inflate = qmc_points, seed, inflate
-        self.max_regions = max_regions
+        if max_regions is not None and (not isinstance(max_regions, (int, np.integer)) or max_regions < 1):
+            raise ValueError(f"max_regions must be a positive integer, got {max_regions!r}")
+        self.max_regions = self.MAX_REGIONS if max_regions is None else int(max_regions)
         self.threads = threads or 0
         if nodes is not None and (not isinstance(nodes, (int, np.integer)) or nodes < 2):
             raise ValueError(f"nodes must be an integer ≥ 2, got {nodes!r}")

@@ -19,6 +19,8 @@ Cases (r = 1, tied softmax deep attention, skip c > 0, inverse temperature β):
                   (dh_2 = du_2/|det Φ⁽¹⁾|); 4-D, float64 only (see "Accuracy").
 - ``noisy_l2``    P(y|Z) = N(y; σ_β(u_2u_2ᵀ), Δ I), L = 2, T = 2, in the same coordinates (4-D,
                   float64; log Z_out exact).
+- ``noisy_link``  P(y|Z) = N(y; g(Z), Δ I) for a smooth link g written here, R·T = 2: x = Z
+                  (2-D integral, mpmath; log Z_out exact).
 - ``reparam_l2_t3`` noiseless, L = 2, T = 3: x = h_1 ∈ R³, Z = [x; ±Φ(x)⁻¹u] (3-D, float64, the
                   nested product rules of step 5; cliffs x_k = 0 and x_k = x_j, j < k).
 - ``mpquad_check`` the 2-D cases again by plain nested mp.quad (slow; validates the above).
@@ -417,6 +419,58 @@ class NoisyL1(_FirstRow):
         log_pout = math.log(2 * T) + log_ndtr(-K)
         m2 = (2 * self.V[0, 0] * math.sqrt(T * T + 2 * T) * math.exp(0.5 * log_pout)
               + 2 * np.sum((self.omega[0] - Zref[0]) ** 2) * math.exp(log_pout))
+        return log_sup + log_pout, log_sup + math.log(m2)
+
+
+class NoisyLink(_Problem):
+    """P(y|Z) = N(y; g(Z), Δ I) for a link g given here as a pair of functions (numpy: g(Z) with
+    Z (N, R, T) → (N, outputs); mpmath: g(Z) with Z an R×T list → list), R·T = 2: x = Z
+    flattened a*T + t, one term, no cliffs (a smooth g); log_z exact."""
+    d, S = 2, 1
+
+    def __init__(self, y, omega, V, noise, g, R, T):
+        self.R, self.T = R, T
+        super().__init__(omega, V)
+        self.noise, (self.g_np, self.g_mp) = float(noise), g
+        self.y = np.atleast_1d(np.asarray(y, dtype=np.float64)).ravel()
+        self.y_mp = [_mpf(v) for v in self.y]
+        self.sd = np.sqrt(np.repeat(np.diag(self.V), T))            # of each coordinate of x
+
+    def _loglik(self, Z, lib):
+        k = len(self.y)
+        if lib is np:
+            sq = ((self.y - self.g_np(Z)) ** 2).sum(axis=1)
+            return -sq / (2 * self.noise) - 0.5 * k * math.log(2 * math.pi * self.noise)
+        noise = _mpf(self.noise)
+        sq = mp.fsum((yi - gi) ** 2 for yi, gi in zip(self.y_mp, self.g_mp(Z)))
+        return -sq / (2 * noise) - k * mp.log(2 * mp.pi * noise) / 2
+
+    def rows(self, X):
+        Z = X.reshape(len(X), self.R, self.T)
+        return [Z[:, a] for a in range(self.R)], self._loglik(Z, np)
+
+    def logterms_mp(self, x):
+        Z = [[x[a * self.T + t] for t in range(self.T)] for a in range(self.R)]
+        return [(self.gauss(Z, mp) + self._loglik(Z, mp), Z)]
+
+    def box(self, K):
+        return self.omega.ravel() - K * self.sd, self.omega.ravel() + K * self.sd
+
+    def cliffs(self, k, prefix):
+        return np.zeros((len(prefix), 0))
+
+    def starts(self):
+        return [s * self.omega.ravel() for s in (1.0, -1.0)]
+
+    def tail(self, K, Zref):
+        """Outside the box: N(y; g, Δ) ≤ (2πΔ)^{-k/2}, P_out ≤ 2d Φ(-K), and E[|Z - Zref|²; out] ≤
+        2√(E|Z - ω|⁴ P_out) + 2|ω - Zref|² P_out (Cauchy–Schwarz) with E|Z - ω|⁴ = (tr Σ)² +
+        2 tr Σ², Σ = V ⊗ I_T."""
+        log_sup = -0.5 * len(self.y) * math.log(2 * math.pi * self.noise)
+        log_pout = math.log(2 * self.d) + log_ndtr(-K)
+        var = self.sd ** 2                                          # Σ's diagonal; Σ² by V
+        m4 = var.sum() ** 2 + 2 * self.T * np.sum(self.V ** 2)
+        m2 = 2 * math.sqrt(m4) * math.exp(0.5 * log_pout) + 2 * np.sum((self.omega - Zref) ** 2) * math.exp(log_pout)
         return log_sup + log_pout, log_sup + math.log(m2)
 
 
@@ -1233,6 +1287,11 @@ def noisy_l1(y, omega, V, beta=1.0, noise=0.1, tol=1e-10, n=10, mp_pass=True) ->
 def noisy_l2(y, omega, V, skip=1.0, beta=1.0, noise=0.1, n=6) -> Reference:
     """Noisy L = 2, T = 2 (4-D integral over (h_1, u_2), float64, as ``reparam_l3``)."""
     return _reference(NoisyL2(y, omega, V, skip, beta, noise), None, n, 15, False, fixed=True)
+
+
+def noisy_link(y, omega, V, g, R, T, noise=0.1, tol=1e-10, n=10, mp_pass=True) -> Reference:
+    """Noisy route, a smooth link g (``NoisyLink``) with R·T = 2 (2-D integral over Z; log_z exact)."""
+    return _reference(NoisyLink(y, omega, V, noise, g, R, T), tol, n, 81, mp_pass)
 
 
 def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=5) -> Reference:
