@@ -722,7 +722,7 @@ def test_noisy_link_narrow_posteriors(name, q, noise, seed):
 
 @pytest.mark.xfail(strict=True, reason="known defect (issue 3 open): on a curved posterior (a hyperbola 0.05 wide "
                    "across a broad prior) the partition over Laplace modes misses mass, and with tol = 1e-6 "
-                   "the adaptive rule does not see it either; see the README, 'Other links'")
+                   "the adaptive rule does not see it either; see the README, 'Adding a model'")
 def test_noisy_link_curved_posterior_within_its_estimate():
     """y = h_1 h_2 + noise at Δ = 1e-3, q = 0.5: with ``tol=1e-6`` the channel should be within
     max(1e-6, 3 × its estimate) of the reference."""
