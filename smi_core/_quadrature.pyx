@@ -1686,13 +1686,21 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                        double tol, int max_regions, double bound, const int[::1] split,
                        double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                        int[::1] used, double[::1] achieved, int threads=0,
-                       const double[:, :, ::1] V=None, const double[::1] amp=None):
+                       const double[:, :, ::1] V=None, const double[::1] amp=None,
+                       const long[::1] box_ptr=None, const double[:, ::1] box_c=None,
+                       const double[:, ::1] box_h=None, const int[::1] box_piece=None):
     """Adaptive Genz–Malik cubature of every partition piece over the box ±bound (whitened
     coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached
     (the moments' differences whitened by ``whiten``, (n, RT, RT): see ``_region``), starting from
-    split[m]^d boxes for piece m.  With ``V``
-    (n, R, R) and ``amp`` (n,): κ Σ|I7 - I5| ≤ tol · mass (``_adaptive_regions``)."""
+    split[m]^d boxes for piece m, or with ``box_ptr`` from sample i's boxes box_c ± box_h of
+    pieces box_piece, rows box_ptr[i]:box_ptr[i+1] (max_regions must exceed their count).  With
+    ``V`` (n, R, R) and ``amp`` (n,): κ Σ|I7 - I5| ≤ tol · mass (``_adaptive_regions``)."""
     cdef bint metric = V is not None
+    if box_ptr is not None and (box_ptr.shape[0] != omega.shape[0] + 1 or box_c is None or box_h is None
+                                or box_piece is None or box_c.shape[0] != box_piece.shape[0]
+                                or box_h.shape[0] != box_piece.shape[0] or box_c.shape[1] != centers.shape[2]
+                                or box_h.shape[1] != centers.shape[2] or box_ptr[omega.shape[0]] > box_c.shape[0]):
+        raise ValueError("integrate_adaptive needs box_ptr (n + 1 offsets), box_c, box_h (rows × d) and box_piece together")
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -1704,7 +1712,11 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                              &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], centers.shape[2],
                              &ref[i, 0], &whiten[i, 0, 0], R, T, n_node, delta, tol, max_regions, bound, &split[0],
                              &log_z[i], &mean[i, 0], &second[i, 0, 0], &used[i], &achieved[i],
-                             &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0)
+                             &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0,
+                             NULL if box_ptr is None else &box_c[box_ptr[i], 0],
+                             NULL if box_ptr is None else &box_h[box_ptr[i], 0],
+                             NULL if box_ptr is None else &box_piece[box_ptr[i]],
+                             0 if box_ptr is None else box_ptr[i + 1] - box_ptr[i])
 
 
 cdef void _adaptive_sample(int route, kernel_t f, const double* par, const double* data, int n_data,
@@ -1713,11 +1725,16 @@ cdef void _adaptive_sample(int route, kernel_t f, const double* par, const doubl
                            const double* logh, int M, int d, const double* ref, const double* whiten,
                            int R, int T, int n_node, double delta, double tol, int max_regions,
                            double bound, const int* split, double* log_z, double* mean, double* second,
-                           int* used, double* achieved, const double* V, double amp) noexcept nogil:
+                           int* used, double* achieved, const double* V, double amp, const double* box_c,
+                           const double* box_h, const int* box_piece, int n_box) noexcept nogil:
     cdef Site s
     cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
                                    A, H, logh, M, d, ref, R, T, n_node, delta)
-    _adaptive_one(&s, whiten, bound, split, tol, max_regions, log_z, mean, second, used, achieved, V, amp)
+    if box_c != NULL:
+        _adaptive_regions(&s, whiten, box_c, box_h, box_piece, n_box, tol, max_regions, log_z, mean, second,
+                          used, achieved, V, amp)
+    else:
+        _adaptive_one(&s, whiten, bound, split, tol, max_regions, log_z, mean, second, used, achieved, V, amp)
     free(work)
 
 

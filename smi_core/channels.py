@@ -254,15 +254,25 @@ class Channel:
         split[-1] = PRIOR_SPLIT                         # the prior's piece (``partition``)
         while split.max() > 1 and (split ** d).sum() > self.max_regions // 4:
             split[np.argmax(split)] -= 1                # the start within a quarter of the budget
+        boxes, budget = self._starting_boxes(args, split, const0), self.max_regions
+        if boxes is not None:       # the budget on top of the starting boxes; the sums relative to
+            budget += int(np.diff(boxes["box_ptr"]).max())      # their highest point if above every mode
+            logh = logh + np.maximum(0.0, boxes.pop("top") - logh.max(axis=1))[:, None]
         _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
                                        np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
                                        np.ascontiguousarray(centers), np.ascontiguousarray(A),
                                        np.ascontiguousarray(hess), np.ascontiguousarray(logh),
                                        np.ascontiguousarray(ref), _whitening(V, self.T),
                                        self.R, self.T, self._n_node, self._delta, self.tol,
-                                       self.max_regions, ADAPTIVE_BOUND, split, log_z, mean, second, used, achieved,
-                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V))
+                                       budget, ADAPTIVE_BOUND, split, log_z, mean, second, used, achieved,
+                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V), **(boxes or {}))
         return (log_z, mean, second), achieved
+
+    def _starting_boxes(self, args, split, const0):
+        """The adaptive rule's starting boxes, as ``integrate_adaptive``'s box_* arguments and
+        "top", the highest log integrand seen per sample (None: split[m]^d equal boxes per piece;
+        the partition's heights are shifted together, which leaves its weights as they are)."""
+        return None
 
     def _spread(self, runs, omega, V, Vinv, ref):
         """``_differ`` of runs (log Z, E[Z] - ref, E[(Z - ref)(Z - ref)ᵀ])."""
@@ -1080,6 +1090,78 @@ class NoisyChannel(PolarRule, Channel):
         log_w = np.where(inside, log_w - np.log(det), -np.inf)
         return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
                                                     np.repeat(inv, G, axis=1), S.T]))
+
+    # -- any other link, with ``tol``: the adaptive rule's starting boxes refined onto the likelihood --
+    # reach: boxes whose linearised residual stays above reach·√Δ are left whole (the likelihood
+    # below e^{-reach²/2} there); width: the others are halved until g moves by at most width·√Δ
+    # across them; cap: starting boxes per sample at most
+    RIDGE = dict(reach=9.0, width=0.5, cap=20000)
+
+    def _starting_boxes(self, args, split, const0):
+        """Any link but T = 2 attention: split[m]^d equal boxes per piece (ξ ∈ ±ADAPTIVE_BOUND, the
+        piece's whitened coordinates, x = c_m + A_m ξ), then every box that the likelihood's ridge
+        {g(x) = y} may cross is halved until g changes by at most RIDGE["width"]·√Δ across it.
+        With J = ∂g/∂x at the box's centre and corners and half-widths h, g moves by about
+        s_i = max |J A_m e_i| h_i along axis i; the ridge may cross the box where
+        min |y − g| − 2 Σ_i s_i ≤ RIDGE["reach"]·√Δ (over the same points), and the box is then
+        cut across its axis of largest s_i (a heuristic, not a bound: g is only sampled).  So a ridge far narrower than the prior, where the
+        modes' Laplace pieces do not reach (a curved posterior), is seen by the starting boxes'
+        points: otherwise none of them need lie on it, and the rule never refines there.  "top":
+        the highest log integrand at those points (at ω = 0 the Gauss–Newton search for
+        y = h_1 h_2 + noise stays at the origin, a saddle e^-1000 below the ridge, and sums
+        relative to it overflow)."""
+        if self._polar_applies:
+            return None
+        data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
+        n, M, d = centers.shape
+        sample, piece, c, h = [], [], [], []
+        for m in range(M):
+            grid = (2 * np.arange(split[m]) + 1) / split[m] - 1
+            xi = np.stack(np.meshgrid(*[grid] * d, indexing="ij"), axis=-1).reshape(-1, d) * ADAPTIVE_BOUND
+            on = np.flatnonzero(np.isfinite(logh[:, m]))
+            sample.append(np.repeat(on, len(xi)))
+            piece.append(np.full(len(on) * len(xi), m))
+            c.append(np.tile(xi, (len(on), 1)))
+            h.append(np.full((len(on) * len(xi), d), ADAPTIVE_BOUND / split[m]))
+        sample, piece, c, h = (np.concatenate(a) for a in (sample, piece, c, h))
+        k, rule, sd = data.shape[1], self.RIDGE, np.sqrt(self._delta)
+        corners = np.concatenate([np.zeros((1, d)), np.array(list(product((-1.0, 1.0), repeat=d)))])
+        final = np.zeros(len(sample), dtype=bool)
+        top = np.full(n, -np.inf)
+        P = _per_token(Vinv, self.T)
+        while not final.all():
+            todo = np.flatnonzero(~final)
+            Am = A[sample[todo], piece[todo]]
+            xi = c[todo, None] + corners * h[todo, None]
+            x = centers[sample[todo], piece[todo], None] + xi @ np.swapaxes(Am, 1, 2)
+            out = self._jac_kernel(np.ascontiguousarray(x.reshape(-1, d)), self.model.params).reshape(len(todo), len(corners), -1)
+            J = out[..., k:].reshape(len(todo), len(corners), k, d)
+            move = np.linalg.norm(J @ Am[:, None], axis=2).max(axis=1) * h[todo]       # s_i
+            res = np.linalg.norm(data[sample[todo], None] - out[..., :k], axis=2)
+            r = x - omega.reshape(n, -1)[sample[todo], None]
+            lf = const0[sample[todo], None] - 0.5 * ((r @ P[sample[todo]]) * r).sum(axis=2) - 0.5 * res ** 2 / self._delta
+            np.maximum.at(top, sample[todo], lf.max(axis=1))
+            miss = res.min(axis=1)
+            near = miss - 2 * move.sum(axis=1) <= rule["reach"] * sd
+            cut = near & (move.max(axis=1) > rule["width"] * sd)
+            count = np.bincount(sample, minlength=n)
+            cut &= count[sample[todo]] < rule["cap"]
+            final[todo[~cut]] = True
+            halve = todo[cut]
+            if not halve.size:
+                break
+            ax = np.argmax(move[cut], axis=1)
+            h[halve, ax] *= 0.5
+            twin = c[halve].copy()
+            c[halve, ax] -= h[halve, ax]
+            twin[np.arange(len(halve)), ax] += h[halve, ax]
+            sample, piece = np.concatenate([sample, sample[halve]]), np.concatenate([piece, piece[halve]])
+            c, h = np.concatenate([c, twin]), np.concatenate([h, h[halve]])
+            final = np.concatenate([final, np.zeros(len(halve), dtype=bool)])
+        order = np.argsort(sample, kind="stable")
+        ptr = np.concatenate([[0], np.cumsum(np.bincount(sample, minlength=n))])
+        return dict(box_ptr=ptr.astype(np.int64), box_c=np.ascontiguousarray(c[order]),
+                    box_h=np.ascontiguousarray(h[order]), box_piece=piece[order].astype(np.int32), top=top)
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)
