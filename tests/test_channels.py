@@ -736,6 +736,20 @@ def test_noisy_link_curved_posterior_starting_boxes(monkeypatch):
     assert ref.metric(mo.g_out[0], mo.dg_out[0], expected.g_out, expected.dg_out) > 1e-3 > 100 * mo.error[0]
 
 
+def test_noisy_link_default_escalates():
+    """R·T = 2: by default samples whose Laplace estimate is above ``escalate`` (1e-4) go to the
+    adaptive rule at that tolerance; the hyperbola draw then within 1e-5, where the Laplace rule
+    alone (``error_estimate=False``) is 0.34 off."""
+    d = link_draw("chan_product", 0.5, 1e-3, np.random.default_rng(5))
+    expected = link_reference("chan_product", d)
+    model = LinkModel("chan_product")
+    assert model.channel(noise=d.noise)._ridges
+    for options, bound in (({}, 1e-5), ({"error_estimate": False}, None)):
+        mo = model.channel(noise=d.noise, **options).moments(d.y[None], d.omega[None], d.V)
+        err = ref.metric(mo.g_out[0], mo.dg_out[0], expected.g_out, expected.dg_out)
+        assert err <= bound if bound else err > 0.1, (options, err)
+
+
 @examples(4)
 @given(name=st.sampled_from(sorted(TWO_INDEX_LINKS)), q=st.floats(0.0, 0.9), noise=noises, seed=seeds)
 def test_noisy_link_curved_posteriors(name, q, noise, seed):
