@@ -1289,9 +1289,19 @@ def noisy_l2(y, omega, V, skip=1.0, beta=1.0, noise=0.1, n=6) -> Reference:
     return _reference(NoisyL2(y, omega, V, skip, beta, noise), None, n, 15, False, fixed=True)
 
 
+# two-index links (R = 2, T = 1) for ``noisy_link``: (numpy g(Z), Z (N, 2, 1) → (N, 1); mpmath g(Z))
+LINKS = {
+    "product": (lambda Z: Z[:, 0, :1] * Z[:, 1, :1], lambda Z: [Z[0][0] * Z[1][0]]),
+    "tanh_square": (lambda Z: np.tanh(2 * Z[:, 0, :1]) + Z[:, 1, :1] ** 2 / 2,
+                    lambda Z: [mp.tanh(2 * Z[0][0]) + Z[1][0] ** 2 / 2]),
+}
+
+
 def noisy_link(y, omega, V, g, R, T, noise=0.1, tol=1e-10, n=10, mp_pass=True) -> Reference:
-    """Noisy route, a smooth link g (``NoisyLink``) with R·T = 2 (2-D integral over Z; log_z exact)."""
-    return _reference(NoisyLink(y, omega, V, noise, g, R, T), tol, n, 81, mp_pass)
+    """Noisy route, a smooth link g (``NoisyLink``; a pair of functions, or a name in LINKS with
+    R = 2, T = 1) with R·T = 2 (2-D integral over Z; log_z exact)."""
+    return _reference(NoisyLink(y, omega, V, noise, LINKS.get(g, g) if isinstance(g, str) else g, R, T),
+                      tol, n, 81, mp_pass)
 
 
 def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=5) -> Reference:
