@@ -234,6 +234,12 @@ class Channel:
         tolerance (None: never)."""
         return self.tol
 
+    def _target(self, escalating):
+        """``tol`` when given, else the channel's ``escalate`` where the rule escalates by default
+        and the estimate is on (None: no finer rules)."""
+        return self.tol if self.tol is not None else (
+            self.escalate if escalating and self.error_estimate else None)
+
     def _run(self, args, rule):
         """One pass of the rule (ξ, lw) over every partition piece."""
         data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
@@ -543,8 +549,7 @@ class ReparamChannel(PolarRule, Channel):
         return (self.nodes or DEFAULT_NODES[d]) / DEFAULT_NODES[d] * self.POLAR_SCALE[self.model.layers]
 
     def _polar_target(self):
-        return self.tol if self.tol is not None else (
-            self.escalate if self.escalates and self.error_estimate else None)
+        return self._target(self.escalates)
 
     def _laplace_target(self):
         """As the polar rule's (two layers: ``escalate`` by default), and for three layers
@@ -552,9 +557,7 @@ class ReparamChannel(PolarRule, Channel):
         with ``tol``.  Without it, at q = 0.965·I nine of 1024 two-layer state-evolution draws
         (T = 2, 14 nodes per dimension) were 1.4e-5 … 3.2e-5 off, and with T = 3 (9 nodes) up
         to 1.1e-5 of 8, estimating 24–180× their errors; at 14 nodes (T = 3) within 9.1e-9."""
-        if self.model.layers == 3 and self.tol is None:
-            return self.escalate if self.error_estimate else None
-        return self._polar_target()
+        return self._target(self.escalates or self.model.layers == 3)
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
@@ -941,12 +944,10 @@ class NoisyChannel(PolarRule, Channel):
         return not self._polar_applies and self.R * self.T == 2
 
     def _adaptive_target(self):
-        return self.tol if self.tol is not None else (
-            self.escalate if self._ridges and self.error_estimate else None)
+        return self._target(self._ridges)
 
     def _polar_target(self):
-        return self.tol if self.tol is not None else (
-            self.escalate if self.escalates and self.error_estimate else None)
+        return self._target(self.escalates)
 
     # -- L = 2, T = 2, Δ < POLAR_MIN_NOISE[2]: the preimage rule ------------------------------
     # In the off-diagonal entries p = σ_12, r = σ_21 of σ_β(u_2 u_2ᵀ) = [[1 − p, p], [r, 1 − r]]
@@ -1134,10 +1135,9 @@ class NoisyChannel(PolarRule, Channel):
         seen (far out along y = h_1 h_2 the ridge narrows as 1/|h|).  So a ridge far narrower
         than the prior, where the modes' Laplace pieces do not reach (a curved posterior), is
         seen by the starting boxes' points: otherwise none of them need lie on it, and the rule
-        never refines there.  "top":
-        the highest log integrand at those points (at ω = 0 the Gauss–Newton search for
-        y = h_1 h_2 + noise stays at the origin, a saddle e^-1000 below the ridge, and sums
-        relative to it overflow)."""
+        never refines there.  "top": the highest log integrand at those points (at ω = 0 the
+        Gauss–Newton search for y = h_1 h_2 + noise stays at the origin, a saddle e^-1000 below
+        the ridge, and sums relative to it overflow)."""
         if self._polar_applies:
             return None
         data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
@@ -1165,12 +1165,14 @@ class NoisyChannel(PolarRule, Channel):
             Am = A[sample[todo], piece[todo]]
             xi = c[todo, None] + corners * h[todo, None]
             x = centers[sample[todo], piece[todo], None] + xi @ np.swapaxes(Am, 1, 2)
-            out = self._jac_kernel(np.ascontiguousarray(x.reshape(-1, d)), self.model.params).reshape(len(todo), len(corners), -1)
+            out = self._jac_kernel(np.ascontiguousarray(x.reshape(-1, d)), self.model.params)
+            out = out.reshape(len(todo), len(corners), -1)
             J = out[..., k:].reshape(len(todo), len(corners), k, d)
             move = np.linalg.norm(J @ Am[:, None], axis=2).max(axis=1) * h[todo]       # s_i
             res = np.linalg.norm(data[sample[todo], None] - out[..., :k], axis=2)
             r = x - omega.reshape(n, -1)[sample[todo], None]
-            lf = const0[sample[todo], None] - 0.5 * ((r @ P[sample[todo]]) * r).sum(axis=2) - 0.5 * res ** 2 / self._delta
+            lf = const0[sample[todo], None] - 0.5 * ((r @ P[sample[todo]]) * r).sum(axis=2) \
+                - 0.5 * res ** 2 / self._delta
             np.maximum.at(top, sample[todo], lf.max(axis=1))
             gap = np.maximum(np.abs(xstar[sample[todo], piece[todo]] - c[todo]) - h[todo], 0.0)
             faint = const0[sample[todo]] - 0.5 * lam[sample[todo], piece[todo]] * (gap ** 2).sum(axis=1) \

@@ -1300,8 +1300,7 @@ LINKS = {
 def noisy_link(y, omega, V, g, R, T, noise=0.1, tol=1e-10, n=10, mp_pass=True) -> Reference:
     """Noisy route, a smooth link g (``NoisyLink``; a pair of functions, or a name in LINKS with
     R = 2, T = 1) with R·T = 2 (2-D integral over Z; log_z exact)."""
-    return _reference(NoisyLink(y, omega, V, noise, LINKS.get(g, g) if isinstance(g, str) else g, R, T),
-                      tol, n, 81, mp_pass)
+    return _reference(NoisyLink(y, omega, V, noise, LINKS[g] if isinstance(g, str) else g, R, T), tol, n, 81, mp_pass)
 
 
 def reparam_l3(y, omega, V, skip=1.0, beta=1.0, n=5) -> Reference:
