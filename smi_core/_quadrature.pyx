@@ -21,7 +21,8 @@ of f at x, with their index matrices Z).  The fixed rule runs by tiles of nodes 
 (``smi_laplace_tile``: the same integrand as loops over the tile that the compiler vectorises,
 the kernel still called node by node; 1.5–1.9× faster than point by point, moments within
 1e-14).  Drivers: ``integrate`` (a fixed rule on every partition piece),
-``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance), ``integrate_polar``
+``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance; route 1 also on the prior's
+piece alone from boxes refined onto the likelihood's ridge, ``_ridge_boxes``), ``integrate_polar``
 (route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
 nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3:
 Genz–Malik in (t = |h_1|², θ), and for L = 3 also (t_2, θ_2) of u_2 = Φ⁽¹⁾h_2, from boxes the
@@ -29,7 +30,7 @@ caller chose; the same ``_place`` and ``_terms``, in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
-from libc.math cimport cos, exp, fabs, fmax, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
+from libc.math cimport cos, exp, fabs, fmax, fmin, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
@@ -738,12 +739,21 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
     return work
 
 
+cdef inline void _affine(Site* s, int m, const double* xi) noexcept nogil:
+    """x = c_m + A_m ξ into s.x (A_m lower triangular)."""
+    cdef int d = s.d, i, l
+    for i in range(d):
+        s.x[i] = s.centers[m * d + i]
+        for l in range(i + 1):
+            s.x[i] += s.A[(m * d + i) * d + l] * xi[l]
+
+
 cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
     """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight).
     Polar sites (``integrate_polar_adaptive``): ξ = (t, θ), x = √t (cos θ, sin θ), dx = ½ dt dθ;
     with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 = √t_2 (cos θ_2, sin θ_2) and
     x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|."""
-    cdef int d = s.d, i, l, j
+    cdef int d = s.d, j
     cdef double base = s.ldA[m], lmax, lse
     if s.polar:
         s.x[0], s.x[1] = sqrt(xi[0]) * cos(xi[1]), sqrt(xi[0]) * sin(xi[1])
@@ -754,10 +764,7 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
         s.f1(s.in1, s.par, s.out1)
         s.x[2], s.x[3] = s.out1[0], s.out1[1]
         return -2 * M_LN2 - s.out1[2]
-    for i in range(d):
-        s.x[i] = s.centers[m * d + i]
-        for l in range(i + 1):
-            s.x[i] += s.A[(m * d + i) * d + l] * xi[l]
+    _affine(s, m, xi)
     if s.active > 1:
         lmax = -INFINITY
         for j in range(s.M):
@@ -1596,6 +1603,17 @@ cdef double _kappa(Site* s, const double* V, double amp, const double* tot, doub
     return fmax(1.0, amp / fmax(M, 1e-300))
 
 
+cdef inline void _bisect(double* c, double* h, int d, int b, int k, int ax) noexcept nogil:
+    """Halve box b (centres c, half-widths h, d per box) across axis ax: its halves are b and k."""
+    cdef int i
+    h[b * d + ax] *= 0.5
+    for i in range(d):
+        c[k * d + i] = c[b * d + i]
+        h[k * d + i] = h[b * d + i]
+    c[b * d + ax] -= h[b * d + ax]
+    c[k * d + ax] += h[b * d + ax]
+
+
 cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, const double* h0,
                             const int* piece, int n0, double tol, int max_regions,
                             double* log_z, double* mean, double* second, int* used,
@@ -1639,12 +1657,7 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
         err_total -= rerr[best]
         for i in range(n):
             tot[i] -= rS[best * n + i]
-        rh[best * d + ax] *= 0.5
-        for i in range(d):
-            rc[count * d + i] = rc[best * d + i]
-            rh[count * d + i] = rh[best * d + i]
-        rc[best * d + ax] -= rh[best * d + ax]
-        rc[count * d + ax] += rh[best * d + ax]
+        _bisect(rc, rh, d, best, count, ax)
         rm[count] = rm[best]
         count += 1
         for j in range(2):
@@ -1687,21 +1700,24 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                        double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second,
                        int[::1] used, double[::1] achieved, int threads=0,
                        const double[:, :, ::1] V=None, const double[::1] amp=None,
-                       const long[::1] box_ptr=None, const double[:, ::1] box_c=None,
-                       const double[:, ::1] box_h=None, const int[::1] box_piece=None):
+                       jacobian=None, const double[::1] ridge=None, const double[::1] lam=None):
     """Adaptive Genz–Malik cubature of every partition piece over the box ±bound (whitened
     coordinates of its component), until Σ|I7 - I5| ≤ tol · mass or max_regions is reached
     (the moments' differences whitened by ``whiten``, (n, RT, RT): see ``_region``), starting from
-    split[m]^d boxes for piece m, or with ``box_ptr`` from sample i's boxes box_c ± box_h of
-    pieces box_piece, rows box_ptr[i]:box_ptr[i+1] (max_regions must exceed their count).  With
-    ``V`` (n, R, R) and ``amp`` (n,): κ Σ|I7 - I5| ≤ tol · mass (``_adaptive_regions``)."""
-    cdef bint metric = V is not None
-    if box_ptr is not None and (box_ptr.shape[0] != omega.shape[0] + 1 or box_c is None or box_h is None
-                                or box_piece is None or box_c.shape[0] != box_piece.shape[0]
-                                or box_h.shape[0] != box_piece.shape[0] or box_c.shape[1] != centers.shape[2]
-                                or box_h.shape[1] != centers.shape[2] or box_ptr[omega.shape[0]] > box_c.shape[0]):
-        raise ValueError("integrate_adaptive needs box_ptr (n + 1 offsets), box_c, box_h (rows × d) and box_piece together")
+    split[m]^d equal boxes for piece m.  With ``V`` (n, R, R) and ``amp`` (n,):
+    κ Σ|I7 - I5| ≤ tol · mass (``_adaptive_regions``).  Route 1, d ≤ 4, with ``jacobian`` (the
+    kernel x ↦ [g; ∂g/∂x]), ``ridge`` = [reach, width, cap, floor] (reach and width in units of
+    y, cap ≥ split[M-1]^d) and ``lam`` (n,): the last piece alone (the caller gives it weight 1),
+    from its equal boxes refined onto the likelihood's ridge (``_ridge_boxes``); max_regions
+    then counts on top of those boxes."""
+    cdef bint metric = V is not None, on_ridge = jacobian is not None
+    cdef int d = centers.shape[2]
+    if on_ridge and (route != 1 or d > 4 or ridge is None or ridge.shape[0] != 4 or lam is None
+                     or lam.shape[0] != omega.shape[0] or ridge[2] < _ipow(split[centers.shape[1] - 1], d)):
+        raise ValueError("integrate_adaptive on the ridge needs route 1, d ≤ 4, ridge = [reach, width, cap ≥ "
+                         "split[-1]^d, floor] and lam (n,)")
     cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef kernel_t jac = <kernel_t> PyCapsule_GetPointer(jacobian, "smi_kernel") if on_ridge else NULL
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
         threads = omp_get_max_threads()
@@ -1709,14 +1725,11 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _adaptive_sample(route, f, &params[0], &data[i, 0], data.shape[1], &omega[i, 0],
                              &Vinv[i, 0, 0], const0[i], &centers[i, 0, 0], &A[i, 0, 0, 0],
-                             &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], centers.shape[2],
+                             &H[i, 0, 0, 0], &logh[i, 0], centers.shape[1], d,
                              &ref[i, 0], &whiten[i, 0, 0], R, T, n_node, delta, tol, max_regions, bound, &split[0],
                              &log_z[i], &mean[i, 0], &second[i, 0, 0], &used[i], &achieved[i],
                              &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0,
-                             NULL if box_ptr is None else &box_c[box_ptr[i], 0],
-                             NULL if box_ptr is None else &box_h[box_ptr[i], 0],
-                             NULL if box_ptr is None else &box_piece[box_ptr[i]],
-                             0 if box_ptr is None else box_ptr[i + 1] - box_ptr[i])
+                             jac, &ridge[0] if on_ridge else NULL, lam[i] if on_ridge else 0.0)
 
 
 cdef void _adaptive_sample(int route, kernel_t f, const double* par, const double* data, int n_data,
@@ -1725,17 +1738,104 @@ cdef void _adaptive_sample(int route, kernel_t f, const double* par, const doubl
                            const double* logh, int M, int d, const double* ref, const double* whiten,
                            int R, int T, int n_node, double delta, double tol, int max_regions,
                            double bound, const int* split, double* log_z, double* mean, double* second,
-                           int* used, double* achieved, const double* V, double amp, const double* box_c,
-                           const double* box_h, const int* box_piece, int n_box) noexcept nogil:
+                           int* used, double* achieved, const double* V, double amp, kernel_t jac,
+                           const double* ridge, double lam) noexcept nogil:
     cdef Site s
     cdef double* work = _site_init(&s, route, f, par, data, n_data, omega, Vinv, const0, centers,
                                    A, H, logh, M, d, ref, R, T, n_node, delta)
-    if box_c != NULL:
-        _adaptive_regions(&s, whiten, box_c, box_h, box_piece, n_box, tol, max_regions, log_z, mean, second,
-                          used, achieved, V, amp)
-    else:
+    cdef int cap, count, k
+    cdef double* box
+    cdef int* piece
+    cdef double top
+    if jac == NULL:
         _adaptive_one(&s, whiten, bound, split, tol, max_regions, log_z, mean, second, used, achieved, V, amp)
+    else:
+        cap = <int> ridge[2]
+        box = <double*> malloc(2 * cap * d * sizeof(double))
+        piece = <int*> malloc(cap * sizeof(int))
+        count = _ridge_boxes(&s, jac, bound, split[M - 1], ridge, lam, box, box + cap * d, &top)
+        for k in range(count):
+            piece[k] = M - 1
+        s.shift = fmax(s.shift, top)        # sums relative to the highest point seen
+        _adaptive_regions(&s, whiten, box, box + cap * d, piece, count, tol, max_regions + count, log_z, mean,
+                          second, used, achieved, V, amp)
+        free(box)
+        free(piece)
     free(work)
+
+
+cdef int _ridge_boxes(Site* s, kernel_t jac, double bound, int split, const double* ridge, double lam,
+                      double* c, double* h, double* top) noexcept nogil:
+    """The last piece's split^d equal boxes tiling ±bound (ξ, x = c_m + A_m ξ), every box that the
+    likelihood's ridge {g(x) = y} may cross halved until g changes by at most ``width`` across it,
+    breadth first, into c, h (at most cap boxes; returns their count; ``top``: the highest log
+    integrand seen).  With g and J = ∂g/∂x at the box's centre and corners and half-widths h_i,
+    g moves by about s_i = max |J A_m e_i| h_i along axis i; the ridge may cross the box where
+    min |y − g| − 2 Σ s_i ≤ reach, and the box is then cut across its axis of largest s_i (a
+    heuristic, not a bound: g is only sampled) — unless the prior bounds the integrand on the box
+    below e^-floor of the highest point seen: the piece being the prior's (centred at ω), its
+    exponent is ≥ ½ lam |ξ|², lam = λ_min(A_mᵀ P A_m)."""
+    cdef int d = s.d, k = s.n_node, m = s.M - 1, cap = <int> ridge[2], count = 0, head = 0, size, b, p, i, j, a
+    cdef int ax, corners = 1 << d
+    cdef double reach = ridge[0], width = ridge[1], floor = ridge[3], w = bound / split
+    cdef double miss, total, gap2, sq, acc, lf
+    cdef double* out = <double*> malloc((k * (1 + d) + 2 * d) * sizeof(double))
+    cdef double* xi = out + k * (1 + d)
+    cdef double* move = xi + d
+    cdef int* queue = <int*> malloc(cap * sizeof(int))
+    top[0] = -INFINITY
+    for j in range(_ipow(split, d)):
+        b = j
+        for i in range(d):
+            c[count * d + i] = -bound + (2 * (b % split) + 1) * w
+            h[count * d + i] = w
+            b //= split
+        queue[count] = count
+        count += 1
+    size = count
+    while size > 0:
+        b = queue[head]
+        head = (head + 1) % cap
+        size -= 1
+        miss = INFINITY
+        for i in range(d):
+            move[i] = 0.0
+        for p in range(corners + 1):            # the centre, then the corners
+            for i in range(d):
+                xi[i] = c[b * d + i] + (0.0 if p == 0 else (h[b * d + i] if (p - 1) >> i & 1 else -h[b * d + i]))
+            _affine(s, m, xi)
+            jac(s.x, s.par, out)
+            sq = 0.0
+            for a in range(k):
+                sq += (s.data[a] - out[a]) ** 2
+            miss = fmin(miss, sqrt(sq))
+            lf = s.const0 - 0.5 * _quad_v(s.x, s.omega, s.Vinv, s.R, s.T) - 0.5 * sq / s.delta
+            if lf > top[0]:
+                top[0] = lf
+            for i in range(d):                  # |J A_m e_i| h_i
+                sq = 0.0
+                for a in range(k):
+                    acc = 0.0
+                    for j in range(i, d):
+                        acc += out[k + a * d + j] * s.A[(m * d + j) * d + i]
+                    sq += acc * acc
+                move[i] = fmax(move[i], sqrt(sq) * h[b * d + i])
+        total, ax, gap2 = 0.0, 0, 0.0
+        for i in range(d):
+            total += move[i]
+            if move[i] > move[ax]:
+                ax = i
+            gap2 += fmax(fabs(c[b * d + i]) - h[b * d + i], 0.0) ** 2
+        if (miss - 2 * total <= reach and move[ax] > width and count < cap
+                and s.const0 - 0.5 * lam * gap2 >= top[0] - floor):
+            _bisect(c, h, d, b, count, ax)
+            queue[(head + size) % cap] = b
+            queue[(head + size + 1) % cap] = count
+            size += 2
+            count += 1
+    free(out)
+    free(queue)
+    return count
 
 
 def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, ::1] u,

@@ -256,7 +256,8 @@ class Channel:
 
     def _adaptive(self, args, const0, V, tol):
         """Adaptive Genz–Malik cubature of the same partition pieces, to ``tol`` in
-        κ Σ|I7 - I5| / mass (``_quadrature._adaptive_regions``; κ from ``_amp``, as ``_pinned``)."""
+        κ Σ|I7 - I5| / mass (``_quadrature._adaptive_regions``; κ from ``_amp``, as ``_pinned``);
+        with ``_ridge_rule`` the prior's piece alone (weight 1), from boxes refined onto the ridge."""
         data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
         n, RT = len(omega), self.R * self.T
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
@@ -266,24 +267,26 @@ class Channel:
         split[-1] = PRIOR_SPLIT                         # the prior's piece (``partition``)
         while split.max() > 1 and (split ** d).sum() > self.max_regions // 4:
             split[np.argmax(split)] -= 1                # the start within a quarter of the budget
-        boxes, budget = self._starting_boxes(args, split, const0), self.max_regions
-        if boxes is not None:       # the budget on top of the starting boxes; the sums relative to
-            budget += int(np.diff(boxes["box_ptr"]).max())      # their highest point if above every mode
-            logh = logh + np.maximum(0.0, boxes.pop("top") - logh.max(axis=1))[:, None]
+        ridge = self._ridge_rule()
+        if ridge is not None:       # λ_min(A_mᵀ P A_m) of the prior's piece m (``_ridge_boxes``)
+            P = _per_token(Vinv, self.T)
+            lam = np.ascontiguousarray(np.linalg.eigvalsh(np.swapaxes(A[:, -1], 1, 2) @ P @ A[:, -1])[:, 0])
+            logh = np.where(np.arange(M) == M - 1, logh, -np.inf)
+            ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam,
+                         ridge=np.array([ridge["reach"], ridge["width"], ridge["cap"], ridge["floor"]]))
         _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
                                        np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
                                        np.ascontiguousarray(centers), np.ascontiguousarray(A),
                                        np.ascontiguousarray(hess), np.ascontiguousarray(logh),
                                        np.ascontiguousarray(ref), _whitening(V, self.T),
                                        self.R, self.T, self._n_node, self._delta, tol,
-                                       budget, ADAPTIVE_BOUND, split, log_z, mean, second, used, achieved,
-                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V), **(boxes or {}))
+                                       self.max_regions, ADAPTIVE_BOUND, split, log_z, mean, second, used, achieved,
+                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V), **(ridge or {}))
         return (log_z, mean, second), achieved
 
-    def _starting_boxes(self, args, split, const0):
-        """The adaptive rule's starting boxes, as ``integrate_adaptive``'s box_* arguments and
-        "top", the highest log integrand seen per sample (None: split[m]^d equal boxes per piece;
-        the partition's heights are shifted together, which leaves its weights as they are)."""
+    def _ridge_rule(self):
+        """The refinement of the adaptive rule's starting boxes onto the likelihood's ridge, as
+        reach, width (in units of y), cap and floor (None: equal boxes on every piece)."""
         return None
 
     def _spread(self, runs, omega, V, Vinv, ref):
@@ -928,17 +931,14 @@ class NoisyChannel(PolarRule, Channel):
         (``_polar_target``); without the estimate the result stands (with the last layer pinned,
         q = diag(0.3, 0.99), Δ = 1e-12: up to 0.35 off where the escalation leaves 1e-6).  Any
         other link with R·T = 2 escalates too (``_ridges``) but counts as not escalating, so that
-        state evolution keeps its estimate off (pass channel={"error_estimate": True}): with it,
-        two SE iterations of y = h_1 h_2 + noise (Δ = 0.01, 512 samples, from the uninformed
-        start) took 182 s against 0.1 s, and gave q̂ = 0.0133 where without it 0.0472 (the
-        channel at tol = 1e-5: 0.0133)."""
+        state evolution keeps its estimate off (pass channel={"error_estimate": True})."""
         return self._preimage and self.model.layers == 2
 
     @property
     def _ridges(self):
         """Any link but T = 2 attention with R·T = 2: samples whose estimate is above ``escalate``
         go to the adaptive rule at that tolerance by default (``_adaptive_target``), from starting
-        boxes refined onto the likelihood's ridge (``_starting_boxes``; a curved posterior, which
+        boxes refined onto the likelihood's ridge (``_ridge_rule``; a curved posterior, which
         the Laplace rule does not resolve).  Higher R·T only with ``tol`` (the refinement grows
         like the ridge's dimension)."""
         return not self._polar_applies and self.R * self.T == 2
@@ -1123,81 +1123,24 @@ class NoisyChannel(PolarRule, Channel):
     # integrand below e^-floor of the highest point seen are left whole
     RIDGE = dict(reach=9.0, width=0.5, cap=20000, floor=30.0)
 
-    def _starting_boxes(self, args, split, const0):
-        """Any link but T = 2 attention: split[m]^d equal boxes per piece (ξ ∈ ±ADAPTIVE_BOUND, the
-        piece's whitened coordinates, x = c_m + A_m ξ), then every box that the likelihood's ridge
-        {g(x) = y} may cross is halved until g changes by at most RIDGE["width"]·√Δ across it.
-        With J = ∂g/∂x at the box's centre and corners and half-widths h, g moves by about
-        s_i = max |J A_m e_i| h_i along axis i; the ridge may cross the box where
-        min |y − g| − 2 Σ_i s_i ≤ RIDGE["reach"]·√Δ (over the same points), and the box is then
-        cut across its axis of largest s_i (a heuristic, not a bound: g is only sampled) — unless
-        the prior bounds the integrand on the box below e^-RIDGE["floor"] of the highest point
-        seen (far out along y = h_1 h_2 the ridge narrows as 1/|h|).  So a ridge far narrower
-        than the prior, where the modes' Laplace pieces do not reach (a curved posterior), is
-        seen by the starting boxes' points: otherwise none of them need lie on it, and the rule
-        never refines there.  "top": the highest log integrand at those points (at ω = 0 the
-        Gauss–Newton search for y = h_1 h_2 + noise stays at the origin, a saddle e^-1000 below
-        the ridge, and sums relative to it overflow)."""
-        if self._polar_applies:
+    def _ridge_rule(self):
+        """Any link but T = 2 attention, d = R·T ≤ 4: the adaptive rule integrates the prior's
+        piece alone (weight 1; its box ±ADAPTIVE_BOUND prior sd holds the posterior) from its
+        PRIOR_SPLIT^d equal boxes, every box that the likelihood's ridge {g(x) = y} may cross
+        halved until g changes by at most RIDGE["width"]·√Δ across it (``_quadrature._ridge_boxes``:
+        g and ∂g at the box's centre and corners; a heuristic, not a bound).  So a ridge far
+        narrower than the prior, where the modes' Laplace pieces do not reach (a curved
+        posterior), is seen by the starting boxes' points: otherwise none of them need lie on it,
+        and the rule never refines there.  Boxes where the prior bounds the integrand below
+        e^-RIDGE["floor"] of the highest point seen are left whole (far out along y = h_1 h_2 the
+        ridge narrows as 1/|h|); the sums are relative to that point (at ω = 0 the Gauss–Newton
+        search for y = h_1 h_2 + noise stays at the origin, a saddle e^-1000 below the ridge).
+        One piece, not every piece's own boxes: where pieces overlap the ridge was refined two
+        or three times."""
+        if self._polar_applies or self.R * self.T > 4:
             return None
-        data, omega, Vinv, logdetV, centers, A, hess, logh, ref = args
-        n, M, d = centers.shape
-        sample, piece, c, h = [], [], [], []
-        for m in range(M):
-            grid = (2 * np.arange(split[m]) + 1) / split[m] - 1
-            xi = np.stack(np.meshgrid(*[grid] * d, indexing="ij"), axis=-1).reshape(-1, d) * ADAPTIVE_BOUND
-            on = np.flatnonzero(np.isfinite(logh[:, m]))
-            sample.append(np.repeat(on, len(xi)))
-            piece.append(np.full(len(on) * len(xi), m))
-            c.append(np.tile(xi, (len(on), 1)))
-            h.append(np.full((len(on) * len(xi), d), ADAPTIVE_BOUND / split[m]))
-        sample, piece, c, h = (np.concatenate(a) for a in (sample, piece, c, h))
-        k, rule, sd = data.shape[1], self.RIDGE, np.sqrt(self._delta)
-        corners = np.concatenate([np.zeros((1, d)), np.array(list(product((-1.0, 1.0), repeat=d)))])
-        final = np.zeros(len(sample), dtype=bool)
-        top = np.full(n, -np.inf)
-        P = _per_token(Vinv, self.T)
-        # the prior's exponent ½(x − ω)ᵀP(x − ω) in a piece's ξ is ≥ ½ λ_min(AᵀPA) |ξ − ξ*|², ξ* = A⁻¹(ω − c)
-        lam = np.linalg.eigvalsh(np.swapaxes(A, 2, 3) @ P[:, None] @ A)[..., 0]
-        xstar = np.linalg.solve(A, (omega.reshape(n, 1, -1) - centers)[..., None])[..., 0]
-        while not final.all():
-            todo = np.flatnonzero(~final)
-            Am = A[sample[todo], piece[todo]]
-            xi = c[todo, None] + corners * h[todo, None]
-            x = centers[sample[todo], piece[todo], None] + xi @ np.swapaxes(Am, 1, 2)
-            out = self._jac_kernel(np.ascontiguousarray(x.reshape(-1, d)), self.model.params)
-            out = out.reshape(len(todo), len(corners), -1)
-            J = out[..., k:].reshape(len(todo), len(corners), k, d)
-            move = np.linalg.norm(J @ Am[:, None], axis=2).max(axis=1) * h[todo]       # s_i
-            res = np.linalg.norm(data[sample[todo], None] - out[..., :k], axis=2)
-            r = x - omega.reshape(n, -1)[sample[todo], None]
-            lf = const0[sample[todo], None] - 0.5 * ((r @ P[sample[todo]]) * r).sum(axis=2) \
-                - 0.5 * res ** 2 / self._delta
-            np.maximum.at(top, sample[todo], lf.max(axis=1))
-            gap = np.maximum(np.abs(xstar[sample[todo], piece[todo]] - c[todo]) - h[todo], 0.0)
-            faint = const0[sample[todo]] - 0.5 * lam[sample[todo], piece[todo]] * (gap ** 2).sum(axis=1) \
-                < top[sample[todo]] - rule["floor"]
-            miss = res.min(axis=1)
-            near = miss - 2 * move.sum(axis=1) <= rule["reach"] * sd
-            cut = near & ~faint & (move.max(axis=1) > rule["width"] * sd)
-            count = np.bincount(sample, minlength=n)
-            cut &= count[sample[todo]] < rule["cap"]
-            final[todo[~cut]] = True
-            halve = todo[cut]
-            if not halve.size:
-                break
-            ax = np.argmax(move[cut], axis=1)
-            h[halve, ax] *= 0.5
-            twin = c[halve].copy()
-            c[halve, ax] -= h[halve, ax]
-            twin[np.arange(len(halve)), ax] += h[halve, ax]
-            sample, piece = np.concatenate([sample, sample[halve]]), np.concatenate([piece, piece[halve]])
-            c, h = np.concatenate([c, twin]), np.concatenate([h, h[halve]])
-            final = np.concatenate([final, np.zeros(len(halve), dtype=bool)])
-        order = np.argsort(sample, kind="stable")
-        ptr = np.concatenate([[0], np.cumsum(np.bincount(sample, minlength=n))])
-        return dict(box_ptr=ptr.astype(np.int64), box_c=np.ascontiguousarray(c[order]),
-                    box_h=np.ascontiguousarray(h[order]), box_piece=piece[order].astype(np.int32), top=top)
+        sd = np.sqrt(self._delta)
+        return dict(self.RIDGE, reach=self.RIDGE["reach"] * sd, width=self.RIDGE["width"] * sd)
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)
