@@ -156,6 +156,7 @@ class Channel:
 
     model_is_points = False
     escalates = False       # whether the error estimate changes the moments (not only reports)
+    ridges = False          # whether curved posteriors escalate to the adaptive rule on the ridge
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask of the outputs this route accepts (here: finite)."""
@@ -930,21 +931,22 @@ class NoisyChannel(PolarRule, Channel):
         """Below POLAR_MIN_NOISE: samples whose estimate is above ``escalate`` get finer rings
         (``_polar_target``); without the estimate the result stands (with the last layer pinned,
         q = diag(0.3, 0.99), Δ = 1e-12: up to 0.35 off where the escalation leaves 1e-6).  Any
-        other link with R·T = 2 escalates too (``_ridges``) but counts as not escalating, so that
-        state evolution keeps its estimate off (pass channel={"error_estimate": True})."""
-        return self._preimage and self.model.layers == 2
+        other link with R·T = 2 (``ridges``): samples whose estimate is above ``escalate`` go to
+        the adaptive rule."""
+        return (self._preimage and self.model.layers == 2) or self.ridges
 
     @property
-    def _ridges(self):
+    def ridges(self):
         """Any link but T = 2 attention with R·T = 2: samples whose estimate is above ``escalate``
         go to the adaptive rule at that tolerance by default (``_adaptive_target``), from starting
         boxes refined onto the likelihood's ridge (``_ridge_rule``; a curved posterior, which
-        the Laplace rule does not resolve).  Higher R·T only with ``tol`` (the refinement grows
-        like the ridge's dimension)."""
+        the Laplace rule does not resolve: without it state evolution and the thresholds of such
+        links are far off at small q, see README "Adding a model").  Higher R·T only with ``tol``
+        (the refinement grows like the ridge's dimension)."""
         return not self._polar_applies and self.R * self.T == 2
 
     def _adaptive_target(self):
-        return self._target(self._ridges)
+        return self._target(self.ridges)
 
     def _polar_target(self):
         return self._target(self.escalates)
@@ -1174,7 +1176,7 @@ class ClosedChannel:
     links with two pre-images ±r(y) (phase retrieval z², |z|).  No quadrature, ``error`` = 0."""
 
     route = "closed"
-    escalates = error_estimate = False      # exact: no estimate to compute
+    escalates = error_estimate = ridges = False      # exact: no estimate to compute
 
     def __init__(self, model, noise: float | None = None, threads: int | None = None):
         from derive.closed import closed_form_program, support, token_wise

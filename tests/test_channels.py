@@ -738,7 +738,7 @@ def test_noisy_link_default_escalates():
     d = link_draw("chan_product", 0.5, 1e-3, np.random.default_rng(5))
     expected = link_reference("chan_product", d)
     model = LinkModel("chan_product")
-    assert model.channel(noise=d.noise)._ridges
+    assert model.channel(noise=d.noise).ridges
     for options, bound in (({}, 1e-5), ({"error_estimate": False}, None)):
         mo = model.channel(noise=d.noise, **options).moments(d.y[None], d.omega[None], d.V)
         err = ref.metric(mo.g_out[0], mo.dg_out[0], expected.g_out, expected.dg_out)

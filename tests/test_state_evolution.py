@@ -414,3 +414,16 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise, escalates):
     assert channel.escalates == escalates and channel.error_estimate == escalates
     if escalates:
         assert channel.escalate == ESCALATE
+
+
+def test_se_channel_keeps_the_estimate_for_two_index_links():
+    """R·T = 2 links: curved posteriors escalate to the ridge-refined adaptive rule
+    (``channel.ridges``), from SE's ESCALATE; one-index links do not need it."""
+    from smi_core.state_evolution import ESCALATE, _channel
+    H = index_symbols(2, 1)
+    register_link("se_product", H[0, 0] * H[1, 0])
+    channel = _channel(LinkModel("se_product"), 0.01, None)
+    assert channel.ridges and channel.escalates and channel.error_estimate and channel.escalate == ESCALATE
+    channel = _channel(LinkModel("se_product"), 0.01, {"error_estimate": False})
+    assert not channel.error_estimate
+    assert not _channel(DeepAttention(layers=1, tokens=2), 0.01, None).ridges

@@ -91,6 +91,55 @@ def test_two_index_product_link_against_independent_quadrature():
     assert th.stderr < 2e-3 * th.alpha
 
 
+def _product_link_semi_analytic(noise: float) -> float:
+    """α_c of y = z₁z₂ + √Δ η with z₂ integrated in closed form: given z₁, z₂ | y is
+    N(z₁y/(Δ + z₁²), Δ/(Δ + z₁²)) and y ~ N(0, Δ + z₁²), so the posterior moments are 1-D
+    integrals in z₁ (trapezoid on ±14, 20 001 points) and F = ∫ p(y) J(y) ⊗ J(y) dy one more
+    (y = 2 sinh u, u on ±5, 4 001 points).  Halving both steps moves α_c by 4e-13; halving
+    again and widening both ranges (±16, ±6), by 2e-12."""
+    t = np.linspace(-14, 14, 20001)
+    u = np.linspace(-5, 5, 4001)
+    y, dy = 2 * np.sinh(u), 2 * np.cosh(u) * (u[1] - u[0])
+    v = noise + t ** 2
+    F = np.zeros((2, 2, 2, 2))
+    for k in range(0, len(y), 500):
+        yy = y[k:k + 500, None]
+        dens = np.exp(-0.5 * t ** 2 - 0.5 * yy ** 2 / v) / (2 * np.pi * np.sqrt(v))     # (y, z₁)
+        p_y = dens.sum(axis=1) * (t[1] - t[0])
+        post = dens / dens.sum(axis=1, keepdims=True)
+        m = t * yy / v                                                                  # E[z₂ | z₁, y]
+        e11, e12, e22 = post @ t ** 2, (post * t * m).sum(axis=1), (post * (noise / v + m ** 2)).sum(axis=1)
+        J = np.stack([np.stack([e11 - 1, e12], -1), np.stack([e12, e22 - 1], -1)], -2)
+        F += np.einsum("o,oac,obd->abcd", p_y * dy[k:k + 500], J, J)
+    return 1 / np.abs(np.linalg.eigvals(F.reshape(4, 4))).max()
+
+
+def test_product_link_semi_analytic_reference_agrees_with_the_gauss_hermite_one():
+    """Two independent references at Δ = 0.5 (the 32-node Gauss–Hermite one is within 7e-6;
+    with 48 nodes, 1e-6)."""
+    assert _product_link_semi_analytic(0.5) == pytest.approx(_product_link_reference(0.5), rel=1e-5)
+
+
+def test_two_index_product_link_at_small_noise_escalates():
+    """Δ = 0.01: the posterior of (z₁, z₂) is a thin hyperbola, which the Laplace rule alone
+    misses (α_c 0.27 against 0.602); by default the channel escalates such samples
+    (``channel.ridges``), also for the thresholds (4096 Sobol draws, ≈ 11 s on two cores)."""
+    reference = _product_link_semi_analytic(0.01)
+    options = dict(noise=0.01, sampler="sobol", samples=4096, max_samples=4096, rtol=1.0)
+    th = weak_recovery_threshold(LinkModel("th_product"), **options)
+    assert abs(th.alpha - reference) < 4 * th.stderr and th.stderr < 1e-2 * reference
+    alone = weak_recovery_threshold(LinkModel("th_product"), channel={"error_estimate": False}, **options)
+    assert abs(alone.alpha - reference) > 0.3 * reference
+
+
+@pytest.mark.slow
+def test_two_index_product_link_at_small_noise_by_the_default_rule():
+    """The same with the default 28³-node Gauss–Hermite rule (≈ 430 s on one core)."""
+    reference = _product_link_semi_analytic(0.01)
+    th = weak_recovery_threshold(LinkModel("th_product"), noise=0.01)
+    assert abs(th.alpha - reference) < 4 * th.stderr + 2e-4 * reference
+
+
 @pytest.mark.parametrize("factor, grows", [(0.85, False), (1.15, True)])
 def test_phase_retrieval_state_evolution_decays_below_and_grows_above(factor, grows):
     model = PHASE_RETRIEVAL
