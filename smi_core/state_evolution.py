@@ -34,6 +34,7 @@ E ‖y − E[y | ω, V]‖²_F = E_ω tr Cov_{Z~N(ω,V)} g(Z) + Δ·size(y) (the
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -51,6 +52,7 @@ STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
 MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws grow up to this many
 ESCALATE = 1e-3               # SE's two-layer channel: samples whose estimate is above this get finer
+FLAG = (1e-2, 0.01)           # a warning when the channel estimates above 1e-2 on more than 1 % of the samples
                               # rules.  q̂ (the mean over draws) is then within 6e-7 (relative) of the
                               # tol = 1e-7 channel from q = diag(0, 0.92) to diag(0.95, 0.9995),
                               # against 1.1e-8 with the channel's default 1e-5, at 0.3–0.6 of its time
@@ -78,6 +80,7 @@ class SEResult:
     converged: bool
     start: str                          # the start it was reached from
     samples: int = 0                    # draws of (ξ, ζ) at the fixed point (see stderr_tol)
+    channel_flagged: float = float("nan")   # share of those whose channel estimate is above FLAG[0] (NaN: off)
     alternative: "SEResult | None" = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -197,6 +200,7 @@ class _Problem:
         self.rng = rng
         self.restrict = None        # a projector P: q is kept on its range, q ← PqP (thresholds)
         self.control_variate = bool(control_variate)
+        self.flagged, self._warned = float("nan"), False      # ``_flag``
 
     def outputs(self, Z: np.ndarray) -> np.ndarray:
         """y ~ P(·|Z): g(Z), plus √Δ η with noise."""
@@ -225,11 +229,25 @@ class _Problem:
         keep = self.channel.representable(y)
         if keep.all():
             m = self.channel.moments(y, omega, V)
+            self._flag(m.error)
             return m.g_out, m.dg_out, m.log_z
         m = self.channel.moments(y[keep], omega[keep], V)
+        self._flag(m.error)
         g, dg, log_z = (np.zeros((len(y),) + a.shape[1:]) for a in (m.g_out, m.dg_out, m.log_z))
         g[keep], dg[keep], log_z[keep] = m.g_out, m.dg_out, m.log_z
         return g, dg, log_z
+
+    def _flag(self, error: np.ndarray):
+        """``flagged``: the share of samples whose channel estimate is above FLAG[0] (NaN with the
+        estimate off); above FLAG[1] a warning, once per problem."""
+        self.flagged = float(np.mean(~(error <= FLAG[0]))) if np.isfinite(error).any() else float("nan")
+        if self.flagged > FLAG[1] and not self._warned:
+            self._warned = True
+            warnings.warn(f"the channel's error estimate is above {FLAG[0]:g} on {self.flagged:.0%} of the "
+                          f"samples (median {np.nanmedian(error):.2g}): its rule does not resolve these "
+                          f"posteriors{' (curved: R·T > 2)' if self.channel.unresolved else ''} and the "
+                          "result may be biased; channel={'tol': ...} runs the adaptive rule (slow). "
+                          "See README, 'Adding a model'.", stacklevel=4)
 
     def step(self, q: np.ndarray, alpha: float):
         """q̂ (with its standard error) and E log Z_out (with its standard error) at q, and the
@@ -334,7 +352,9 @@ def _channel(model, noise, options):
     q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more than 1e-4 and q̂₂₂ by
     0.4 %; links with R·T = 2, ``channel.ridges``, whose curved posteriors it sends to the
     ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at Δ = 0.01 has q̂₁₁ 0.0126
-    where 0.0035 after two iterations from the uninformed start), or when the options ask for
+    where 0.0035 after two iterations from the uninformed start), where it flags samples the
+    rule does not resolve (``channel.unresolved``, R·T > 2: ``_Problem.moments`` warns), or
+    when the options ask for
     it (``tol``, ``error_estimate``); SE escalates from ESCALATE, not from the channel's
     default.  A channel already built is used as it is."""
     if hasattr(options, "moments"):
@@ -346,7 +366,7 @@ def _channel(model, noise, options):
         except ValueError:
             pass
     channel = model.channel(noise=noise, **options)
-    if "tol" not in options and "error_estimate" not in options and not channel.escalates:
+    if "tol" not in options and "error_estimate" not in options and not (channel.escalates or channel.unresolved):
         channel.error_estimate = False      # it would only report (SE does not use it)
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE
@@ -407,6 +427,7 @@ def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampi
             break
         q = _project(q + step if step is not None else mix.next().reshape(q.shape))
         trajectory.append(q)
+    flagged = problem.flagged                   # at q (before the Jacobian's steps)
     J = newton.J if newton.active else problem.jacobian(q, alpha)
     bayes, bayes_err, plugin, plugin_err = problem.errors(q)
     return SEResult(alpha=alpha, q=q, q_hat=q_hat, mse=1 - np.diag(q), prediction_error=bayes,
@@ -415,7 +436,7 @@ def _converge(problem: _Problem, alpha: float, q0: np.ndarray, label: str, dampi
                     q_stderr=problem.fixed_point_stderr(q_hat, blocks, J),
                     free_entropy_stderr=alpha * log_z_err, prediction_error_stderr=bayes_err,
                     plugin_error_stderr=plugin_err, iterations=it, converged=bool(converged), start=label,
-                    samples=problem.draws.n)
+                    samples=problem.draws.n, channel_flagged=flagged)
 
 
 class _Newton:

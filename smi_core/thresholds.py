@@ -156,11 +156,12 @@ def _problem(model, noise, samples, rng, sampler, channel, xi=True) -> _Problem:
     the escalation, which takes the staircase from 6 s to 113 s and the 16-skip phase diagram
     from 47 s to 945 s (``channel={"error_estimate": True}`` escalates).  Links whose curved
     posteriors need the escalation (``channel.ridges``) keep it: without it α_c of y = h_1 h_2 +
-    noise at Δ = 0.01 is 0.256, against 0.6021 (README "Adding a model")."""
+    noise at Δ = 0.01 is 0.256, against 0.6021 (README "Adding a model"); so do those whose
+    estimate flags unresolved samples (``channel.unresolved``: a warning)."""
     if not hasattr(channel, "moments"):
         options = dict(channel or {})
         channel = _channel(model, noise, options)
-        if not (channel.ridges or "error_estimate" in options or "tol" in options):
+        if not (channel.ridges or channel.unresolved or "error_estimate" in options or "tol" in options):
             channel.error_estimate = False
     return _Problem(model, noise, 0.0, samples, sampler, rng, channel, xi, _spread)
 

@@ -427,3 +427,16 @@ def test_se_channel_keeps_the_estimate_for_two_index_links():
     channel = _channel(LinkModel("se_product"), 0.01, {"error_estimate": False})
     assert not channel.error_estimate
     assert not _channel(DeepAttention(layers=1, tokens=2), 0.01, None).ridges
+
+
+def test_se_flags_samples_the_channel_does_not_resolve():
+    """R·T = 3 (``channel.unresolved``): the Laplace rule keeps curved posteriors, which its
+    estimate flags; SE keeps the estimate on, warns, and reports the share at the fixed point.
+    A one-index link's closed form (exact, error 0) has nothing to flag."""
+    H = index_symbols(3, 1)
+    register_link("se_three", H[0, 0] ** 2 + H[1, 0] ** 2 + H[2, 0] ** 2 / 2)
+    with pytest.warns(UserWarning, match="error estimate is above"):
+        r = state_evolution(LinkModel("se_three"), 1.0, noise=0.1, samples=256, max_iter=1)
+    assert r.channel_flagged > 0.5
+    r = state_evolution(LinkModel("se_linear"), 1.0, noise=0.1, samples=256, max_iter=1)
+    assert r.channel_flagged == 0
