@@ -269,13 +269,13 @@ class Channel:
         split[-1] = PRIOR_SPLIT                         # the prior's piece (``partition``)
         while split.max() > 1 and (split ** d).sum() > self.max_regions // 4:
             split[np.argmax(split)] -= 1                # the start within a quarter of the budget
-        ridge = self._ridge_rule()
-        if ridge is not None:       # λ_min(A_mᵀ P A_m) of the prior's piece m (``_ridge_boxes``)
+        rule, on_ridge = self._ridge_rule(), {}
+        if rule is not None:        # λ_min(A_mᵀ P A_m) of the prior's piece m (``_ridge_boxes``)
             P = _per_token(Vinv, self.T)
             lam = np.ascontiguousarray(np.linalg.eigvalsh(np.swapaxes(A[:, -1], 1, 2) @ P @ A[:, -1])[:, 0])
             logh = np.where(np.arange(M) == M - 1, logh, -np.inf)
-            ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam,
-                         ridge=np.array([ridge["reach"], ridge["width"], ridge["cap"], ridge["floor"]]))
+            on_ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam,
+                            ridge=np.array([rule["reach"], rule["width"], rule["cap"], rule["floor"]]))
         _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
                                        np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
                                        np.ascontiguousarray(centers), np.ascontiguousarray(A),
@@ -283,7 +283,7 @@ class Channel:
                                        np.ascontiguousarray(ref), _whitening(V, self.T),
                                        self.R, self.T, self._n_node, self._delta, tol,
                                        self.max_regions, ADAPTIVE_BOUND, split, log_z, mean, second, used, achieved,
-                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V), **(ridge or {}))
+                                       self.threads, V=np.ascontiguousarray(V), amp=_amp(V), **on_ridge)
         return (log_z, mean, second), achieved
 
     def _ridge_rule(self):

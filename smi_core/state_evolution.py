@@ -232,19 +232,22 @@ class _Problem:
             self._flag(m.error)
             return m.g_out, m.dg_out, m.log_z
         m = self.channel.moments(y[keep], omega[keep], V)
-        self._flag(m.error)
-        g, dg, log_z = (np.zeros((len(y),) + a.shape[1:]) for a in (m.g_out, m.dg_out, m.log_z))
-        g[keep], dg[keep], log_z[keep] = m.g_out, m.dg_out, m.log_z
+        g, dg, log_z, error = (np.zeros((len(y),) + a.shape[1:]) for a in (m.g_out, m.dg_out, m.log_z, m.error))
+        g[keep], dg[keep], log_z[keep], error[keep] = m.g_out, m.dg_out, m.log_z, m.error
+        self._flag(error)
         return g, dg, log_z
 
     def _flag(self, error: np.ndarray):
-        """``flagged``: the share of samples whose channel estimate is above FLAG[0] (NaN with the
-        estimate off); above FLAG[1] a warning, once per problem."""
-        self.flagged = float(np.mean(~(error <= FLAG[0]))) if np.isfinite(error).any() else float("nan")
+        """``flagged``: the share of samples (in the draws' weights) whose channel estimate is
+        above FLAG[0] (NaN with the estimate off); above FLAG[1] a warning, once per problem."""
+        if not np.isfinite(error).any():
+            self.flagged = float("nan")
+            return
+        self.flagged = float(self.draws.blocks((error > FLAG[0]).astype(float)).mean())     # NaN: no estimate
         if self.flagged > FLAG[1] and not self._warned:
             self._warned = True
             warnings.warn(f"the channel's error estimate is above {FLAG[0]:g} on {self.flagged:.0%} of the "
-                          f"samples (median {np.nanmedian(error):.2g}): its rule does not resolve these "
+                          f"samples (up to {np.nanmax(error):.2g}): its rule does not resolve these "
                           f"posteriors{' (curved: R·T > 2)' if self.channel.unresolved else ''} and the "
                           "result may be biased; channel={'tol': ...} runs the adaptive rule (slow). "
                           "See README, 'Adding a model'.", stacklevel=4)
