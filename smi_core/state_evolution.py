@@ -227,6 +227,8 @@ class _Problem:
         omega, V, Z = self.fields(q)
         y = self.outputs(Z)
         keep = self.channel.representable(y)
+        if getattr(self.draws, "skip", None) is not None:      # a rule's negligible nodes (thresholds)
+            keep = keep & ~self.draws.skip
         if keep.all():
             m = self.channel.moments(y, omega, V)
             self._flag(m.error)

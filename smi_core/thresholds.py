@@ -41,6 +41,7 @@ from .quadrature import _log_phi, gauss_hermite
 from .state_evolution import BLOCKS, SAMPLERS, UNINFORMED, V_MIN, _channel, _iterate, _Problem, _project
 
 GH_NODES = {1: 200, 2: 80, 3: 28}   # Gauss–Hermite nodes per dimension at q = 0 (dimension of (Z, noise))
+NEGLIGIBLE = 1e-14    # the rule's nodes below this fraction of its largest weight are skipped (``_Rule``)
 SUBSPACE = 0.1        # the learned subspace: eigenvectors of M* above this fraction of its largest
 X_MAX = -np.log10(V_MIN)   # the branch is followed up to s = 1 − V_MIN
 
@@ -170,12 +171,16 @@ class _Rule:
     """A tensor Gauss–Hermite rule over (ζ, η) at q = 0 in the interface of the state
     evolution's draws (ξ = 0; one "block": the weighted sum).  The grid is turned by a fixed
     generic rotation — still exact for polynomials of total degree < 2n — so that no node sits
-    on a null set where y has no unique pre-image (e.g. two equal tokens)."""
+    on a null set where y has no unique pre-image (e.g. two equal tokens).  Nodes whose weight
+    is below NEGLIGIBLE of the largest are skipped (``skip``: counted as 0, as outputs the
+    channel cannot take): 60 % of the 28³ rule's nodes, 4.5e-14 of its weight (64 % of the
+    200-node rule, 4.8e-16), and its outermost ones, where the posterior is farthest out."""
 
     def __init__(self, nodes: int, R: int, T: int, n_out: int, noisy: bool):
         d = R * T + (n_out if noisy else 0)
         x, lw = gauss_hermite(nodes, d)
         self.w = np.exp(lw + _log_phi(x))
+        self.skip = self.w < NEGLIGIBLE * self.w.max()
         rotation = np.linalg.qr(np.random.default_rng(12345).standard_normal((d, d)))[0]
         x = x @ rotation.T
         self.n = len(x)
