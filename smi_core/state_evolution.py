@@ -52,7 +52,7 @@ STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
 MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws grow up to this many
 ESCALATE = 1e-3               # SE's two-layer channel: samples whose estimate is above this get finer
-FLAG = (1e-2, 0.01)           # a warning when the channel estimates above 1e-2 on more than 1 % of the samples
+FLAG = (1e-2, 0.01)           # a warning where the channel estimates above 1e-2 on > 1 % of the samples
                               # rules.  q̂ (the mean over draws) is then within 6e-7 (relative) of the
                               # tol = 1e-7 channel from q = diag(0, 0.92) to diag(0.95, 0.9995),
                               # against 1.1e-8 with the channel's default 1e-5, at 0.3–0.6 of its time
@@ -358,10 +358,9 @@ def _channel(model, noise, options):
     0.4 %; links with R·T = 2, ``channel.ridges``, whose curved posteriors it sends to the
     ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at Δ = 0.01 has q̂₁₁ 0.0126
     where 0.0035 after two iterations from the uninformed start), where it flags samples the
-    rule does not resolve (``channel.unresolved``, R·T > 2: ``_Problem.moments`` warns), or
-    when the options ask for
-    it (``tol``, ``error_estimate``); SE escalates from ESCALATE, not from the channel's
-    default.  A channel already built is used as it is."""
+    rule does not resolve (``channel.unresolved``, R·T > 2: ``_Problem._flag`` warns), or when
+    the options ask for it (``tol``, ``error_estimate``); SE escalates from ESCALATE, not from
+    the channel's default.  A channel already built is used as it is."""
     if hasattr(options, "moments"):
         return options
     options = dict(options or {})
