@@ -1545,13 +1545,26 @@ cdef inline int _ipow(int b, int e) noexcept nogil:
     return r
 
 
+cdef int _tile(double* c, double* h, int d, int split, double bound) noexcept nogil:
+    """split^d equal boxes tiling ±bound in d dimensions into c, h (centres, half-widths);
+    returns their count."""
+    cdef int j, i, k, count = _ipow(split, d)
+    cdef double w = bound / split
+    for j in range(count):
+        k = j
+        for i in range(d):
+            c[j * d + i] = -bound + (2 * (k % split) + 1) * w
+            h[j * d + i] = w
+            k //= split
+    return count
+
+
 cdef void _adaptive_one(Site* s, const double* whiten, double bound, const int* split, double tol,
                         int max_regions, double* log_z, double* mean, double* second, int* used,
                         double* achieved, const double* V, double amp) noexcept nogil:
     """Start from split[m]^d equal boxes tiling ±bound (whitened coordinates) of every active
     piece m."""
-    cdef int d = s.d, m, j, i, k, count = 0, total = 0
-    cdef double w
+    cdef int d = s.d, m, j, count = 0, total = 0
     for m in range(s.M):
         total += _ipow(split[m], d)
     cdef double* c = <double*> malloc(2 * total * d * sizeof(double))
@@ -1560,13 +1573,7 @@ cdef void _adaptive_one(Site* s, const double* whiten, double bound, const int* 
     for m in range(s.M):
         if not s.logh[m] > -INFINITY:
             continue
-        w = bound / split[m]
-        for j in range(_ipow(split[m], d)):
-            k = j
-            for i in range(d):
-                c[count * d + i] = -bound + (2 * (k % split[m]) + 1) * w
-                h[count * d + i] = w
-                k //= split[m]
+        for j in range(_tile(c + count * d, h + count * d, d, split[m], bound)):
             piece[count] = m
             count += 1
     _adaptive_regions(s, whiten, c, h, piece, count, tol, max_regions, log_z, mean, second, used, achieved,
@@ -1775,24 +1782,18 @@ cdef int _ridge_boxes(Site* s, kernel_t jac, double bound, int split, const doub
     heuristic, not a bound: g is only sampled) — unless the prior bounds the integrand on the box
     below e^-floor of the highest point seen: the piece being the prior's (centred at ω), its
     exponent is ≥ ½ lam |ξ|², lam = λ_min(A_mᵀ P A_m)."""
-    cdef int d = s.d, k = s.n_node, m = s.M - 1, cap = <int> ridge[2], count = 0, head = 0, size, b, p, i, j, a
+    cdef int d = s.d, k = s.n_node, m = s.M - 1, cap = <int> ridge[2], count, head = 0, size, b, p, i, j, a
     cdef int ax, corners = 1 << d
-    cdef double reach = ridge[0], width = ridge[1], floor = ridge[3], w = bound / split
+    cdef double reach = ridge[0], width = ridge[1], floor = ridge[3]
     cdef double miss, total, gap2, sq, acc, lf
     cdef double* out = <double*> malloc((k * (1 + d) + 2 * d) * sizeof(double))
     cdef double* xi = out + k * (1 + d)
     cdef double* move = xi + d
     cdef int* queue = <int*> malloc(cap * sizeof(int))
     top[0] = -INFINITY
-    for j in range(_ipow(split, d)):
-        b = j
-        for i in range(d):
-            c[count * d + i] = -bound + (2 * (b % split) + 1) * w
-            h[count * d + i] = w
-            b //= split
-        queue[count] = count
-        count += 1
-    size = count
+    count = size = _tile(c, h, d, split, bound)
+    for j in range(count):
+        queue[j] = j
     while size > 0:
         b = queue[head]
         head = (head + 1) % cap

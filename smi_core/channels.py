@@ -269,13 +269,12 @@ class Channel:
         split[-1] = PRIOR_SPLIT                         # the prior's piece (``partition``)
         while split.max() > 1 and (split ** d).sum() > self.max_regions // 4:
             split[np.argmax(split)] -= 1                # the start within a quarter of the budget
-        rule, on_ridge = self._ridge_rule(), {}
-        if rule is not None:        # λ_min(A_mᵀ P A_m) of the prior's piece m (``_ridge_boxes``)
+        ridge, on_ridge = self._ridge_rule(), {}
+        if ridge is not None:       # λ_min(A_mᵀ P A_m) of the prior's piece m (``_ridge_boxes``)
             P = _per_token(Vinv, self.T)
             lam = np.ascontiguousarray(np.linalg.eigvalsh(np.swapaxes(A[:, -1], 1, 2) @ P @ A[:, -1])[:, 0])
             logh = np.where(np.arange(M) == M - 1, logh, -np.inf)
-            on_ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam,
-                            ridge=np.array([rule["reach"], rule["width"], rule["cap"], rule["floor"]]))
+            on_ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam, ridge=ridge)
         _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
                                        np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
                                        np.ascontiguousarray(centers), np.ascontiguousarray(A),
@@ -288,7 +287,8 @@ class Channel:
 
     def _ridge_rule(self):
         """The refinement of the adaptive rule's starting boxes onto the likelihood's ridge, as
-        reach, width (in units of y), cap and floor (None: equal boxes on every piece)."""
+        ``_quadrature.integrate_adaptive``'s ``ridge`` = [reach, width (in units of y), cap, floor]
+        (None: equal boxes on every piece)."""
         return None
 
     def _spread(self, runs, omega, V, Vinv, ref):
@@ -1151,8 +1151,8 @@ class NoisyChannel(PolarRule, Channel):
         or three times."""
         if self._polar_applies or self.R * self.T > 4:
             return None
-        sd = np.sqrt(self._delta)
-        return dict(self.RIDGE, reach=self.RIDGE["reach"] * sd, width=self.RIDGE["width"] * sd)
+        r, sd = self.RIDGE, np.sqrt(self._delta)
+        return np.array([r["reach"] * sd, r["width"] * sd, r["cap"], r["floor"]])
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

@@ -101,6 +101,8 @@ class _Draws:
     when needed: each block continues its own sequence (a scrambled Sobol sequence's first 2^k
     points are a scrambled Sobol set), so a larger set contains every smaller one."""
 
+    skip = None     # (n,) mask of draws to leave out (the thresholds' ``_Rule``: negligible nodes)
+
     def __init__(self, samples: int, R: int, T: int, n_out: int, noisy: bool, sampler: str,
                  rng: np.random.Generator, xi: bool = True, spread=None):
         per = -(-samples // BLOCKS)
@@ -227,7 +229,7 @@ class _Problem:
         omega, V, Z = self.fields(q)
         y = self.outputs(Z)
         keep = self.channel.representable(y)
-        if getattr(self.draws, "skip", None) is not None:      # a rule's negligible nodes (thresholds)
+        if self.draws.skip is not None:
             keep = keep & ~self.draws.skip
         if keep.all():
             m = self.channel.moments(y, omega, V)
