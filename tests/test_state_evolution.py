@@ -417,7 +417,7 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise, escalates):
 
 
 def test_se_channel_keeps_the_estimate_for_two_index_links():
-    """R·T = 2 links: curved posteriors escalate to the ridge-refined adaptive rule
+    """R·T = 2 (and 3, 4) links: curved posteriors escalate to the ridge-refined adaptive rule
     (``channel.ridges``), from SE's ESCALATE; one-index links do not need it."""
     from smi_core.state_evolution import ESCALATE, _channel
     H = index_symbols(2, 1)
@@ -427,16 +427,20 @@ def test_se_channel_keeps_the_estimate_for_two_index_links():
     channel = _channel(LinkModel("se_product"), 0.01, {"error_estimate": False})
     assert not channel.error_estimate
     assert not _channel(DeepAttention(layers=1, tokens=2), 0.01, None).ridges
+    H = index_symbols(3, 1)
+    register_link("se_three", H[0, 0] ** 2 + H[1, 0] ** 2 + H[2, 0] ** 2 / 2)
+    channel = _channel(LinkModel("se_three"), 0.1, None)       # R·T = 3: a shell, also escalated
+    assert channel.ridges and channel.escalates and channel.escalate == ESCALATE
 
 
 def test_se_flags_samples_the_channel_does_not_resolve():
-    """R·T = 3 (``channel.unresolved``): the Laplace rule keeps curved posteriors, which its
-    estimate flags; SE keeps the estimate on, warns, and reports the share at the fixed point.
-    A one-index link's closed form (exact, error 0) has nothing to flag."""
-    H = index_symbols(3, 1)
-    register_link("se_three", H[0, 0] ** 2 + H[1, 0] ** 2 + H[2, 0] ** 2 / 2)
-    with pytest.warns(UserWarning, match="error estimate is above"):
-        r = state_evolution(LinkModel("se_three"), 1.0, noise=0.1, samples=256, max_iter=1)
+    """R·T = 5 (``channel.unresolved``): the Laplace rule (randomised QMC) keeps curved
+    posteriors, which its estimate flags; SE keeps the estimate on, warns, and reports the share
+    at the fixed point.  A one-index link's closed form (exact, error 0) has nothing to flag."""
+    H = index_symbols(5, 1)
+    register_link("se_five", sum(H[a, 0] ** 2 for a in range(5)))
+    with pytest.warns(UserWarning, match="error estimate is above.*R·T > 4"):
+        r = state_evolution(LinkModel("se_five"), 1.0, noise=0.1, samples=256, max_iter=1)
     assert r.channel_flagged > 0.5
     r = state_evolution(LinkModel("se_linear"), 1.0, noise=0.1, samples=256, max_iter=1)
     assert r.channel_flagged == 0

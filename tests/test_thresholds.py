@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from numpy.polynomial.hermite_e import hermegauss
 
+import channel_reference as ref
 from smi_core import DeepAttention, LinkModel, index_symbols, register_link, state_evolution
 from smi_core.cli import main
 from smi_core.thresholds import _Rule, apply, perron, phase_diagram, staircase, weak_recovery_threshold
@@ -17,6 +18,8 @@ register_link("test_phase_retrieval", index_symbols(1, 1)[0, 0] ** 2)     # as i
 PHASE_RETRIEVAL = LinkModel("test_phase_retrieval")
 H2 = index_symbols(2, 1)
 register_link("th_product", H2[0, 0] * H2[1, 0])
+QUADRATIC = (1.0, 1.0, 0.5)       # y = h_1² + h_2² + h_3²/2 + noise (R·T = 3)
+register_link("th_quadratic", sum(c * h ** 2 for c, h in zip(QUADRATIC, index_symbols(3, 1)[:, 0])))
 CLOSED = {"route": "closed"}
 TWO_LAYER = DeepAttention(layers=2, tokens=2)
 
@@ -147,6 +150,43 @@ def test_two_index_product_link_at_small_noise_by_the_default_rule():
     reference = _product_link_semi_analytic(0.01)
     th = weak_recovery_threshold(LinkModel("th_product"), noise=0.01)
     assert abs(th.alpha - reference) < 4 * th.stderr + 2e-4 * reference
+
+
+def _quadratic_link_reference(coefficients, noise: float, step: float = 0.02, top: float = 60.0) -> float:
+    """α_c of y = Σ_k d_k z_k² + √Δ η from the characteristic-function channel
+    (``channel_reference.quadratic_link``: J(y) = diag(E[z_k²|y] - 1)), F = ∫ p(y) J ⊗ J dy by
+    the trapezoid rule in y (p below 1e-12 left out, where the reference's sums are rounding).
+    For d = (1, 1, 1/2), Δ = 0.1: 1.14127799; halving the step and extending y to 80 moves it by
+    5e-12.  Phase retrieval (d = 1): 0.50209 at Δ = 0.01, towards 1/2 as Δ → 0."""
+    R, y = len(coefficients), np.arange(-12 * np.sqrt(noise) - 1, top, step)
+    F = np.zeros((R,) * 4)
+    for k in range(0, len(y), 1000):
+        with np.errstate(invalid="ignore"):
+            log_p, c = ref.quadratic_link(coefficients, noise, y[k:k + 1000])
+        keep = log_p > np.log(1e-12)
+        J = np.einsum("na,ab->nab", c[keep], np.eye(R))
+        F += np.einsum("n,nac,nbd->abcd", np.exp(log_p[keep]) * step, J, J)
+    return 1 / np.abs(np.linalg.eigvals(F.reshape(R * R, R * R))).max()
+
+
+def test_quadratic_link_reference_at_small_noise_is_phase_retrieval():
+    assert _quadratic_link_reference((1.0,), 1e-3) == pytest.approx(0.5, abs=2e-3)
+
+
+def test_three_index_quadratic_link_first_step():
+    """y = h_1² + h_2² + h_3²/2 + √0.1 η: the first step learns the pair (h_1, h_2), at the
+    characteristic-function α_c; the shell-shaped posteriors escalate (``channel.ridges``), and
+    the Laplace rule alone is far off (0.79, and h_3 first).  512 Sobol draws (≈ 15 s on two
+    cores); the widened draws' large outputs stop the adaptive rule at its budget, which warns."""
+    reference = _quadratic_link_reference(QUADRATIC, 0.1)
+    options = dict(noise=0.1, sampler="sobol", samples=512, max_samples=512, rtol=1.0)
+    with pytest.warns(UserWarning, match="budget"):
+        th = weak_recovery_threshold(LinkModel("th_quadratic"), **options)
+    assert abs(th.alpha - reference) < 4 * th.stderr and th.stderr < 3e-2 * reference
+    assert th.indices == [0, 1]
+    with pytest.warns(UserWarning, match="error estimate"):
+        alone = weak_recovery_threshold(LinkModel("th_quadratic"), channel={"escalate": 1e3}, **options)
+    assert abs(alone.alpha - reference) > 0.2 * reference
 
 
 @pytest.mark.parametrize("factor, grows", [(0.85, False), (1.15, True)])
