@@ -1,7 +1,9 @@
 """The noisy route for other links: microseconds per sample (best of three, CPU time with
 threads=1 — run it with OPENBLAS_NUM_THREADS=1) and the accuracy reached against the two-index
 mpmath reference of tests/channel_reference.py (``noisy_link``; max abs error over (g_out, dg_out)
-/ max abs entry), for y = h_1 h_2 and y = tanh(2h_1) + h_2²/2 plus noise (R = 2, T = 1).
+/ max abs entry), for y = h_1 h_2 and y = tanh(2h_1) + h_2²/2 plus noise (R = 2, T = 1), and
+for the shell y = h_1² + h_2² + h_3²/2 plus noise (R = 3) at q = 0 against the
+characteristic-function reference (``quadratic_link``).
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ,
 y = g(Z) + √Δ η.  Below q ≈ 0.9 the posterior is a curved ridge across the prior, which the
@@ -15,6 +17,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import sympy as sp
@@ -27,6 +30,7 @@ from smi_core import LinkModel, index_symbols, register_link  # noqa: E402
 H = index_symbols(2, 1)
 LINKS = {"product": H[0, 0] * H[1, 0], "tanh_square": sp.tanh(2 * H[0, 0]) + H[1, 0] ** 2 / 2}
 SETTINGS = [{}, {"tol": 1e-6}, {"error_estimate": False}]
+SHELL = (1.0, 1.0, 0.5)
 
 
 def main():
@@ -51,6 +55,13 @@ def main():
                 refs = [ref.noisy_link(y[i:i + 1], omega[i], V, name, 2, 1, noise=noise) for i in range(a.samples)]
                 for setting in SETTINGS:
                     row(model, name, q, noise, setting, y, omega, V, refs)
+    register_link("bench_shell", sum(c * h ** 2 for c, h in zip(SHELL, index_symbols(3, 1)[:, 0])))
+    model = LinkModel("bench_shell", threads=1)
+    for noise in a.noise:
+        y = rng.standard_normal((a.samples, 3)) ** 2 @ np.array(SHELL) + np.sqrt(noise) * rng.standard_normal(a.samples)
+        refs = [SimpleNamespace(g_out=np.zeros((3, 1)), dg_out=np.diag(c)) for c in ref.quadratic_link(SHELL, noise, y)[1]]
+        for setting in SETTINGS:
+            row(model, "shell", 0.0, noise, setting, y, np.zeros((a.samples, 3, 1)), np.eye(3), refs)
 
 
 def row(model, name, q, noise, setting, y, omega, V, refs):
