@@ -23,8 +23,10 @@ crossing refined by regula falsi (the Illinois variant) in x; every evaluation u
 draws, so h is a smooth function of x.  A learned subspace of higher dimension has its branch
 q*(α) from state evolution kept on U, and the map on U⊥ includes K = (I + q̂*)⁻¹ on both sides.
 
-Expectations: at q = 0 with (Z, noise) of dimension ≤ 3, a rotated tensor Gauss–Hermite rule
-(error: the difference to a coarser rule); otherwise BLOCKS independent blocks of draws
+Expectations: at q = 0 with one noisy output and a channel that escalates curved posteriors, a
+1-D rule in y (F = ∫ p(y) J ⊗ J dy, p(y) = Z_out(y; 0, I); ``_output_F``); with (Z, noise) of
+dimension ≤ 3, a rotated tensor Gauss–Hermite rule (error: the difference to a coarser rule);
+otherwise BLOCKS independent blocks of draws
 (independently scrambled Sobol sets or Monte Carlo), widened with importance weights.  Error
 bars: per block, the Rayleigh quotient ⟨M*, F_b(M*)⟩ (first order in F_b − F, F being
 self-adjoint) and, at a later step, the block's own α_b(s) and h_b(s) interpolated to its root
@@ -44,6 +46,7 @@ GH_NODES = {1: 200, 2: 80, 3: 28}   # Gauss–Hermite nodes per dimension at q =
 NEGLIGIBLE = 1e-14    # the rule's nodes below this fraction of its largest weight are skipped (``_Rule``)
 SUBSPACE = 0.1        # the learned subspace: eigenvectors of M* above this fraction of its largest
 X_MAX = -np.log10(V_MIN)   # the branch is followed up to s = 1 − V_MIN
+OUTPUT_RULE = dict(step=0.25, min_step=1 / 128, tail=1e-14, pilot=4096)   # ``_output_F``
 
 
 @dataclass
@@ -207,6 +210,65 @@ def _deterministic_F(problem: _Problem) -> tuple[float, float, np.ndarray]:
     return rho, abs(1 / rho - 1 / _rayleigh(values[1][None], M)[0]), M
 
 
+def _output_rule_applies(problem: _Problem) -> bool:
+    """One noisy output, and a channel that escalates curved posteriors (``channel.ridges``):
+    there every draw costs milliseconds, and a 1-D rule in y needs far fewer (``_output_F``)."""
+    return problem.noise is not None and problem.n_out == 1 and bool(getattr(problem.channel, "ridges", False))
+
+
+def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.ndarray, int]:
+    """ρ(F), the error of α_c and M* at q = 0 with one noisy output, where J depends on y alone
+    and F = ∫ p(y) J(y) ⊗ J(y) dy with p(y) = Z_out(y; 0, I), the channel's own log Z.  y = c +
+    √Δ sinh u (c the median of g(Z) over OUTPUT_RULE["pilot"] draws: nodes √Δ-dense about c,
+    geometric in the tails), the trapezoid rule in u (spectrally accurate for a smooth, fast
+    decaying integrand), its range grown until both ends fall below OUTPUT_RULE["tail"] of the
+    largest value and its step halved until α from steps h and 2h differ by less than
+    rtol·α/10 (or the step reaches OUTPUT_RULE["min_step"]); the error is that difference.
+    Also returns the number of channel evaluations."""
+    R, T, sd = problem.R, problem.T, np.sqrt(problem.noise)
+    Z = np.random.default_rng(0).standard_normal((OUTPUT_RULE["pilot"], R, T))
+    g = problem.model.forward(Z).reshape(-1)
+    c = np.median(g)
+    span = [np.arcsinh((g.min() - c) / sd - 10), np.arcsinh((g.max() - c) / sd + 10)]
+    values: dict[float, tuple[float, np.ndarray]] = {}
+
+    def evaluate(u):
+        u = np.array([x for x in u if x not in values])
+        if u.size:
+            m = problem.channel.moments(c + sd * np.sinh(u), np.zeros((len(u), R, T)), np.eye(R))
+            J = m.dg_out.reshape(-1, R, T, R, T)
+            F = np.einsum("natcs,nbtds->nabcd", J, J)
+            w = np.exp(m.log_z) * sd * np.cosh(u)
+            values.update((x, (wi, Fi)) for x, wi, Fi in zip(u, w, F))
+
+    def total(h):
+        u = np.arange(np.floor(span[0] / h), np.ceil(span[1] / h) + 1) * h
+        evaluate(u)
+        return h * sum(values[x][0] * values[x][1] for x in u), u
+
+    def size(x):                                    # the integrand's largest entry at node x
+        return values[x][0] * np.abs(values[x][1]).max()
+
+    h = OUTPUT_RULE["step"]
+    while True:                                     # the range: grown until both ends are negligible
+        F, u = total(h)
+        top = max(size(x) for x in values)
+        low, high = size(u[0]) > OUTPUT_RULE["tail"] * top, size(u[-1]) > OUTPUT_RULE["tail"] * top
+        if not (low or high):
+            break
+        span = [span[0] - low, span[1] + high]
+    while True:                                     # the step: halved until h and 2h agree
+        fine, _ = total(h / 2)
+        rho, M = perron(fine)
+        error = abs(1 / rho - 1 / _rayleigh(F[None], M)[0])
+        bar.set_postfix(alpha=f"{1 / rho:.6g}", nodes=len(values), error=f"{error:.2g}")
+        bar.update(1)
+        h /= 2
+        if error <= 0.1 * rtol / rho or h <= OUTPUT_RULE["min_step"]:
+            return rho, error, M, len(values)
+        F = fine
+
+
 def _sampled_F(samples, rtol, max_samples, progress, make):
     """ρ(F), the standard error of α_c, M* and the problem from ``samples`` draws (problem =
     make(samples)), doubled (fresh draws: a Sobol set gains from being large) until the
@@ -231,13 +293,18 @@ def _first_step(model, noise, samples, rng, sampler, channel, rtol, max_samples,
     kind = "sobol" if sampler == "auto" else sampler
     problem = _problem(model, noise, 2 * BLOCKS, rng, kind, channel, xi=False)
     make = lambda n: _problem(model, noise, n, rng, kind, problem.channel, xi=False)
-    if sampler == "auto" and _rule_dims(problem) in GH_NODES:
+    if sampler == "auto" and _output_rule_applies(problem):
+        with _progress(progress, "step 1") as bar:
+            rho, stderr, M, used = _output_F(problem, rtol, bar)
+    elif sampler == "auto" and _rule_dims(problem) in GH_NODES:
         rho, stderr, M = _deterministic_F(problem)
+        used = problem.draws.n
     else:
         rho, stderr, M, problem = _sampled_F(samples, rtol, max_samples, progress, make)
+        used = problem.draws.n
     P = _subspace(M)
     return Threshold(alpha=1 / rho, stderr=float(stderr), direction=M, subspace=P, indices=_indices(P),
-                     overlap=np.zeros_like(M), samples=problem.draws.n), problem.channel
+                     overlap=np.zeros_like(M), samples=used), problem.channel
 
 
 def _check(samples, rtol, max_samples, sampler):
@@ -255,7 +322,9 @@ def weak_recovery_threshold(model, *, noise: float | None = None, samples: int =
                             sampler: str = "auto", channel: dict | None = None,
                             progress: bool = False) -> Threshold:
     """α_c = 1/ρ(F) at q = 0 (module docstring), with its standard error and the leading PSD
-    direction.  The expectation over Z (and the output noise, ``noise`` = Δ) is a rotated
+    direction.  The expectation over Z (and the output noise, ``noise`` = Δ) is a 1-D rule in
+    y for one noisy output of a channel with ``ridges`` (``_output_F``; ``samples`` is then the
+    number of channel calls), else a rotated
     Gauss–Hermite rule when their dimension is at most 3 (``sampler="auto"``, the default;
     ``stderr`` is then the difference to a rule with 3/4 of the nodes), otherwise ``samples``
     draws, doubled until the standard error is below ``rtol``·α_c or would pass
