@@ -217,9 +217,12 @@ class Channel:
         adaptive = self._adaptive_target()
         if adaptive is not None:                # then adaptive cubature
             redo = np.flatnonzero(~(error <= adaptive))
-            if redo.size:       # kept where finite (not so on 4 of 60 pinned T = 3 samples)
+            if redo.size:       # kept where finite (not so on 4 of 60 pinned T = 3 samples, nor where
+                                # a box too coarse for the degree-7 rule's negative weights left a
+                                # negative mass: R·T = 3 with max_regions=1)
                 better, achieved = self._adaptive(tuple(a[redo] for a in args), const0[redo], V[redo], adaptive)
-                ok = np.isfinite(achieved) & np.isfinite(better[2]).all(axis=(1, 2))
+                ok = (np.isfinite(achieved) & np.isfinite(better[0]) & np.isfinite(better[1]).all(axis=1)
+                      & np.isfinite(better[2]).all(axis=(1, 2)))
                 error[redo[ok]] = achieved[ok]
                 for a, b in zip(fine, better):
                     a[redo[ok]] = b[ok]

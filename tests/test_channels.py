@@ -771,6 +771,16 @@ def test_three_index_link_escalates_by_default(noise, bound):
             assert (err <= mo.error).all() and err.max() <= bound and np.abs(mo.log_z - log_p).max() < bound
 
 
+def test_adaptive_result_with_a_negative_mass_is_not_kept(monkeypatch):
+    """A budget far too small leaves boxes too coarse for the degree-7 rule, whose negative
+    weights can give a negative mass (log Z NaN); the sample then keeps the Laplace rule's
+    result and its large estimate, instead of a non-finite moment."""
+    monkeypatch.setattr(NoisyChannel, "RIDGE", dict(NoisyChannel.RIDGE, cap=1000))
+    channel = LinkModel("chan_quadratic").channel(noise=0.1, escalate=1e-3, max_regions=1)
+    mo = channel.moments(np.array([7.025427512477323]), np.zeros((1, 3, 1)), np.eye(3))
+    assert np.isfinite(mo.log_z).all() and mo.error[0] > 1e-2
+
+
 @examples(4)
 @given(name=st.sampled_from(sorted(TWO_INDEX_LINKS)), q=st.floats(0.0, 0.9), noise=noises, seed=seeds)
 def test_noisy_link_curved_posteriors(name, q, noise, seed):
