@@ -1139,7 +1139,7 @@ class NoisyChannel(PolarRule, Channel):
     # integrand below e^-floor of the highest point seen are left whole
     # (surface: the width for R·T ≥ 3, whose ridge is a surface; there the adaptive rule's default
     # budget is SURFACE_REGIONS)
-    RIDGE = dict(reach=9.0, width=0.5, surface=2.0, cap=20000, floor=30.0)
+    RIDGE = dict(reach=9.0, width=0.5, surface=4.0, cap=20000, floor=30.0)
     SURFACE_REGIONS = 10000
 
     def _ridge_rule(self):
@@ -1147,7 +1147,8 @@ class NoisyChannel(PolarRule, Channel):
         piece alone (weight 1; its box ±ADAPTIVE_BOUND prior sd holds the posterior) from its
         PRIOR_SPLIT^d equal boxes, every box that the likelihood's ridge {g(x) = y} may cross
         halved until g changes by at most RIDGE["width"]·√Δ across it (RIDGE["surface"]·√Δ for
-        R·T ≥ 3: at R·T = 3, Δ = 0.1 the same errors as with 0.5 in half the time;
+        R·T ≥ 3: on the shell y = h_1² + h_2² + h_3²/2 + noise the same errors as with 0.5 or 2
+        at 0.5–0.8 of the time, 8 up to 15× the error at Δ = 0.01;
         ``_quadrature._ridge_boxes``: g and ∂g at the box's centre and corners; a heuristic, not
         a bound).  So a ridge far
         narrower than the prior, where the modes' Laplace pieces do not reach (a curved
