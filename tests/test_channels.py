@@ -983,6 +983,26 @@ def test_mean_and_nishimori_identities(case):
         assert (z <= 5).all(), (case, name, mean, se, z)
 
 
+def test_three_index_link_nishimori_identities():
+    """The shell y = h_1² + h_2² + h_3²/2 + noise away from q = 0 (correlated q, where the
+    characteristic-function reference does not apply): with y from the model, E[g_out] = 0 and
+    E[g gᵀ] = -E[∂g] within 5 standard errors (256 draws, Δ = 0.1).  A consistency check, not
+    an accuracy one: the Laplace rule alone passes it too here (1.4σ at 512 draws), while its
+    q̂ = E[g gᵀ] at q = diag(0.05, 0.05, 0.01) is 44–316 % off (README "Adding a model")."""
+    n, rng = 256, np.random.default_rng(7)
+    q = np.array([[0.3, 0.1, 0.0], [0.1, 0.3, 0.0], [0.0, 0.0, 0.2]])
+    omega = np.einsum("ab,nbt->nat", sqrt_psd(q), rng.standard_normal((n, 3, 1)))
+    V = np.eye(3) - q
+    Z = omega + np.einsum("ab,nbt->nat", sqrt_psd(V), rng.standard_normal((n, 3, 1)))
+    model = LinkModel("chan_quadratic")
+    y = model.forward(Z) + np.sqrt(0.1) * rng.standard_normal(n)
+    mo = model.channel(noise=0.1).moments(y, omega, V)
+    x = np.concatenate([mo.g_out.reshape(n, 3), (np.einsum("nat,nbt->nab", mo.g_out, mo.g_out)
+                                                 + mo.dg_out).reshape(n, 9)], axis=1)
+    z = np.abs(x.mean(axis=0)) / (x.std(axis=0, ddof=1) / np.sqrt(n))
+    assert (z <= 5).all(), z
+
+
 # -- symmetry h_ℓ → -h_ℓ ----------------------------------------------------------------------------
 
 SYMMETRY_CASES = dict(argnames="layers,noise", argvalues=[(1, None), (2, None), (3, None), (1, 0.1)],
