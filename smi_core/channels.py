@@ -943,14 +943,16 @@ class NoisyChannel(PolarRule, Channel):
 
     @property
     def ridges(self):
-        """Any link but T = 2 attention with 2 ≤ R·T ≤ 4: samples whose estimate is above
+        """Any link but T = 2 attention with R·T ≤ 4: samples whose estimate is above
         ``escalate`` go to the adaptive rule at that tolerance by default (``_adaptive_target``),
         from starting boxes refined onto the likelihood's ridge (``_ridge_rule``; a curved
         posterior, which the Laplace rule does not resolve: without it state evolution and the
         thresholds of such links are far off at small q — y = h_1 h_2 + noise at Δ = 0.01 has
         α_c 0.256 against 0.602, y = h_1² + h_2² + h_3²/2 + noise at Δ = 0.1 0.792 against
-        1.141 and the wrong direction; see README "Adding a model")."""
-        return not self._polar_applies and 2 <= self.R * self.T <= 4
+        1.141 and the wrong direction; see README "Adding a model").  R·T = 1 too: at ω = 0 the
+        mode search of an even link such as y = z² + noise stays on the saddle z = 0 and the
+        Laplace rule misses the two peaks ±√y (up to 450× off at Δ = 0.001, flagged)."""
+        return not self._polar_applies and self.R * self.T <= 4
 
     @property
     def unresolved(self):
@@ -1132,7 +1134,7 @@ class NoisyChannel(PolarRule, Channel):
         return np.ascontiguousarray(np.concatenate([np.repeat(x1.T, G, axis=1), u2.T, log_w[None],
                                                     np.repeat(inv, G, axis=1), S.T]))
 
-    # -- any other link: the adaptive rule's starting boxes refined onto the likelihood (2 ≤ R·T ≤ 4 by default) --
+    # -- any other link: the adaptive rule's starting boxes refined onto the likelihood (R·T ≤ 4 by default) --
     # reach: boxes whose linearised residual stays above reach·√Δ are left whole (the likelihood
     # below e^{-reach²/2} there); width: the others are halved until g moves by at most width·√Δ
     # across them; cap: starting boxes per sample at most; floor: boxes where the prior bounds the
@@ -1162,7 +1164,7 @@ class NoisyChannel(PolarRule, Channel):
         if self._polar_applies or self.R * self.T > 4:
             return None
         r, sd = self.RIDGE, np.sqrt(self._delta)
-        width = r["width"] if self.R * self.T == 2 else r["surface"]
+        width = r["width"] if self.R * self.T <= 2 else r["surface"]
         return np.array([r["reach"] * sd, width * sd, r["cap"], r["floor"]])
 
     def _check_y(self, y, n):

@@ -364,10 +364,10 @@ def _channel(model, noise, options):
     moments (``channel.escalates``: two-layer attention, noiseless or with Δ below the noisy
     route's POLAR_MIN_NOISE, whose pinned samples it sends to finer rules — without it, at
     q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more than 1e-4 and q̂₂₂ by
-    0.4 %; links with R·T = 2, ``channel.ridges``, whose curved posteriors it sends to the
+    0.4 %; links with R·T ≤ 4, ``channel.ridges``, whose curved posteriors it sends to the
     ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at Δ = 0.01 has q̂₁₁ 0.0126
     where 0.0035 after two iterations from the uninformed start), where it flags samples the
-    rule does not resolve (``channel.unresolved``, R·T > 2: ``_Problem._flag`` warns), or when
+    rule does not resolve (``channel.unresolved``, R·T > 4: ``_Problem._flag`` warns), or when
     the options ask for it (``tol``, ``error_estimate``); SE escalates from ESCALATE, not from
     the channel's default.  A channel already built is used as it is."""
     if hasattr(options, "moments"):
