@@ -749,6 +749,16 @@ QUADRATIC = (1.0, 1.0, 0.5)       # y = h_1² + h_2² + h_3²/2 + noise: R·T = 
 register_link("chan_quadratic", sum(c * h ** 2 for c, h in zip(QUADRATIC, index_symbols(3, 1)[:, 0])))
 
 
+def quadratic_link_errors(name, coefficients, noise, y, **options):
+    """The channel of y = Σ_k d_k z_k² + noise at ω = 0, V = I against the characteristic-function
+    reference: (moments, the metric per draw, log p(y))."""
+    R, n = len(coefficients), len(y)
+    log_p, c = ref.quadratic_link(coefficients, noise, y)
+    mo = LinkModel(name).channel(noise=noise, **options).moments(y, np.zeros((n, R, 1)), np.eye(R))
+    err = np.array([ref.metric(mo.g_out[k], mo.dg_out[k], np.zeros((R, 1)), np.diag(c[k])) for k in range(n)])
+    return mo, err, log_p
+
+
 @pytest.mark.parametrize("noise, bound", [(0.1, 1e-3), (0.01, 3e-2)])
 def test_three_index_link_escalates_by_default(noise, bound):
     """R·T = 3: at q = 0 the posterior is a thin shell, which the Laplace rule alone misses
@@ -759,12 +769,10 @@ def test_three_index_link_escalates_by_default(noise, bound):
     rng = np.random.default_rng(3)
     Z = rng.standard_normal((12, 3))
     y = Z ** 2 @ np.array(QUADRATIC) + np.sqrt(noise) * rng.standard_normal(12)
-    log_p, c = ref.quadratic_link(QUADRATIC, noise, y)
     model = LinkModel("chan_quadratic")
     assert model.channel(noise=noise).ridges and not model.channel(noise=noise).unresolved
     for options in ({}, {"error_estimate": False}):
-        mo = model.channel(noise=noise, **options).moments(y, np.zeros((12, 3, 1)), np.eye(3))
-        err = np.array([ref.metric(mo.g_out[k], mo.dg_out[k], np.zeros((3, 1)), np.diag(c[k])) for k in range(12)])
+        mo, err, log_p = quadratic_link_errors("chan_quadratic", QUADRATIC, noise, y, **options)
         if options:
             assert err.max() > 0.1
         else:
@@ -782,11 +790,8 @@ def test_one_index_even_link_escalates_by_default(noise):
     of the characteristic-function reference on 16 draws (measured ≤ 3.8e-8) and of log p(y)."""
     rng = np.random.default_rng(5)
     y = rng.standard_normal(16) ** 2 + np.sqrt(noise) * rng.standard_normal(16)
-    log_p, c = ref.quadratic_link([1.0], noise, y)
-    model = LinkModel("chan_square")
     for options in ({}, {"error_estimate": False}):
-        mo = model.channel(noise=noise, **options).moments(y, np.zeros((16, 1, 1)), np.eye(1))
-        err = np.array([ref.metric(mo.g_out[k], mo.dg_out[k], np.zeros((1, 1)), np.diag(c[k])) for k in range(16)])
+        mo, err, log_p = quadratic_link_errors("chan_square", (1.0,), noise, y, **options)
         if options:
             assert err.max() > 0.1
         else:
