@@ -89,7 +89,7 @@ def _product_link_reference(noise: float, n: int = 32) -> float:
 def test_two_index_product_link_against_independent_quadrature():
     noise = 0.5
     reference = _product_link_reference(noise)
-    th = weak_recovery_threshold(LinkModel("th_product"), noise=noise)      # (z₁, z₂, η): a 3-D rule
+    th = weak_recovery_threshold(LinkModel("th_product"), noise=noise)      # the 1-D rule in y (_output_F)
     assert abs(th.alpha - reference) < 4 * th.stderr + 2e-4 * reference
     assert th.stderr < 2e-3 * th.alpha
 
