@@ -1150,9 +1150,8 @@ class NoisyChannel(PolarRule, Channel):
         PRIOR_SPLIT^d equal boxes, every box that the likelihood's ridge {g(x) = y} may cross
         halved until g changes by at most RIDGE["width"]·√Δ across it (RIDGE["surface"]·√Δ for
         R·T ≥ 3: on the shell y = h_1² + h_2² + h_3²/2 + noise the same errors as with 0.5 or 2
-        at 0.5–0.8 of the time, 8 up to 15× the error at Δ = 0.01;
-        ``_quadrature._ridge_boxes``: g and ∂g at the box's centre and corners; a heuristic, not
-        a bound).  So a ridge far
+        at 0.5–0.8 of the time, 8 up to 15× the error at Δ = 0.01; ``_quadrature._ridge_boxes``:
+        g and ∂g at the box's centre and corners; a heuristic, not a bound).  So a ridge far
         narrower than the prior, where the modes' Laplace pieces do not reach (a curved
         posterior), is seen by the starting boxes' points: otherwise none of them need lie on it,
         and the rule never refines there.  Boxes where the prior bounds the integrand below

@@ -46,7 +46,7 @@ GH_NODES = {1: 200, 2: 80, 3: 28}   # Gauss–Hermite nodes per dimension at q =
 NEGLIGIBLE = 1e-14    # the rule's nodes below this fraction of its largest weight are skipped (``_Rule``)
 SUBSPACE = 0.1        # the learned subspace: eigenvectors of M* above this fraction of its largest
 X_MAX = -np.log10(V_MIN)   # the branch is followed up to s = 1 − V_MIN
-OUTPUT_RULE = dict(step=0.25, min_step=1 / 128, tail=1e-14, pilot=4096)   # ``_output_F``
+OUTPUT_RULE = dict(step=0.25, min_step=1 / 128, tail=1e-14, pilot=4096, grow=30)   # ``_output_F``
 
 
 @dataclass
@@ -221,8 +221,8 @@ def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.nda
     and F = ∫ p(y) J(y) ⊗ J(y) dy with p(y) = Z_out(y; 0, I), the channel's own log Z.  y = c +
     √Δ sinh u (c the median of g(Z) over OUTPUT_RULE["pilot"] draws: nodes √Δ-dense about c,
     geometric in the tails), the trapezoid rule in u (spectrally accurate for a smooth, fast
-    decaying integrand), its range grown until both ends fall below OUTPUT_RULE["tail"] of the
-    largest value and its step halved until α from steps h and 2h differ by less than
+    decaying integrand), its range grown (by 1 in u, at most OUTPUT_RULE["grow"] times) until
+    both ends fall below OUTPUT_RULE["tail"] of the largest value and its step halved until α from steps h and 2h differ by less than
     rtol·α/10 (or the step reaches OUTPUT_RULE["min_step"]); the error is that difference.
     Also returns the number of channel evaluations."""
     R, T, sd = problem.R, problem.T, np.sqrt(problem.noise)
@@ -250,7 +250,7 @@ def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.nda
         return values[x][0] * np.abs(values[x][1]).max()
 
     h = OUTPUT_RULE["step"]
-    while True:                                     # the range: grown until both ends are negligible
+    for _ in range(OUTPUT_RULE["grow"]):            # the range: grown until both ends are negligible
         F, u = total(h)
         top = max(size(x) for x in values)
         low, high = size(u[0]) > OUTPUT_RULE["tail"] * top, size(u[-1]) > OUTPUT_RULE["tail"] * top
@@ -324,8 +324,8 @@ def weak_recovery_threshold(model, *, noise: float | None = None, samples: int =
     """α_c = 1/ρ(F) at q = 0 (module docstring), with its standard error and the leading PSD
     direction.  The expectation over Z (and the output noise, ``noise`` = Δ) is a 1-D rule in
     y for one noisy output of a channel with ``ridges`` (``_output_F``; ``samples`` is then the
-    number of channel calls), else a rotated
-    Gauss–Hermite rule when their dimension is at most 3 (``sampler="auto"``, the default;
+    number of channel calls), else a rotated Gauss–Hermite rule when their dimension is at most
+    3 (``sampler="auto"``, the default;
     ``stderr`` is then the difference to a rule with 3/4 of the nodes), otherwise ``samples``
     draws, doubled until the standard error is below ``rtol``·α_c or would pass
     ``max_samples``, by ``sampler`` "sobol" (scrambled) or "mc"; ``channel``: options for
