@@ -366,6 +366,24 @@ def _shallow(model, threads, layers):
                          threads=threads or model._threads or None)
 
 
+def _token_channel(model, noise, escalate, options):
+    """For a one-index link applied to each token alone (T > 1), the noisy channel of its
+    one-token link (registered as "<name>·token"), else None."""
+    from derive.closed import token_wise
+    from .models import LinkModel, register_link
+    link = getattr(model, "link", None)
+    if link is None or link.indices != 1 or link.tokens == 1:
+        return None
+    g = token_wise(link.expr, link.tokens)
+    if g is None:
+        return None
+    name = f"{link.name}·token"
+    register_link(name, g, params=link.params)
+    one = LinkModel(name, backend=model.backend, threads=options.get("threads"),
+                    **{str(p): v for p, v in zip(link.params, model.params)})
+    return NoisyChannel(one, noise, escalate, **options)
+
+
 def _inverse_logdet(mix):
     """Node rows [Φ⁻¹ (T×T, row-major), log|det Φ|] (T² + 1, n) from mixing-kernel rows [Φ,
     log|det Φ|], T = 2 or 3, by the adjugate (inf where Φ is singular: integrate_polar skips
@@ -885,7 +903,8 @@ class NoisyChannel(PolarRule, Channel):
                      and spec.rank == 1 and model.tokens == 2 and model.layers in self.POLAR_SCALE)
         self._preimage = attention and self._delta < self.POLAR_MIN_NOISE[model.layers]
         self._polar_applies = attention and (self._preimage or self._delta >= self.POLAR_MIN_NOISE[model.layers])
-        if options.get("max_regions") is None and self.ridges and self.R * self.T > 2:
+        self._token = None if attention else _token_channel(model, noise, escalate, options)
+        if options.get("max_regions") is None and self._token is None and self.ridges and self.R * self.T > 2:
             self.max_regions = self.SURFACE_REGIONS
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
             self._u_model = _shallow(model, self.threads, 1)
@@ -895,6 +914,23 @@ class NoisyChannel(PolarRule, Channel):
                 self._mixing_kernel = model.kernel("mixing")
             if self._preimage:
                 self._chart_kernels = self._u_model.kernel("chart"), self._u_model.forward
+
+    def moments(self, y, omega, V) -> Moments:
+        """A one-index link applied to each token alone (``derive.closed.token_wise``): the
+        posterior factorises over the tokens, so the moments are those of T one-token channels
+        (log Z summed, ∂g_out diagonal, the estimate the largest) — a 1-D rule per token instead
+        of a T-dimensional one."""
+        if self._token is None:
+            return super().moments(y, omega, V)
+        y, omega, V = self._inputs(y, omega, V)
+        n, T = len(omega), self.T
+        for option in ("error_estimate", "escalate", "tol", "max_regions"):     # as set on this channel
+            setattr(self._token, option, getattr(self, option))
+        m = self._token.moments(y.reshape(n * T), omega.reshape(n * T, 1, 1), np.repeat(V, T, axis=0))
+        dg_out = np.zeros((n, T, T))
+        dg_out[:, np.arange(T), np.arange(T)] = m.dg_out.reshape(n, T)
+        return Moments(log_z=m.log_z.reshape(n, T).sum(axis=1), g_out=m.g_out.reshape(n, 1, T),
+                       dg_out=dg_out, error=m.error.reshape(n, T).max(axis=1))
 
     # -- T = 2 attention, L ≤ 2: the polar rule in (h_{<L}, u_L) --------------------------------
     @property
@@ -951,14 +987,19 @@ class NoisyChannel(PolarRule, Channel):
         α_c 0.256 against 0.602, y = h_1² + h_2² + h_3²/2 + noise at Δ = 0.1 0.792 against
         1.141 and the wrong direction; see README "Adding a model").  R·T = 1 too: at ω = 0 the
         mode search of an even link such as y = z² + noise stays on the saddle z = 0 and the
-        Laplace rule misses the two peaks ±√y (up to 450× off at Δ = 0.001, flagged)."""
+        Laplace rule misses the two peaks ±√y (up to 450× off at Δ = 0.001, flagged).  A
+        token-wise link: its one-token channel's."""
+        if self._token is not None:
+            return self._token.ridges
         return not self._polar_applies and self.R * self.T <= 4
 
     @property
     def unresolved(self):
         """Any link but T = 2 attention with R·T > 4 (randomised QMC): curved posteriors keep
         the Laplace rule unless ``tol`` is given; its estimate flags them (state evolution and
-        the thresholds keep it on and warn)."""
+        the thresholds keep it on and warn).  A token-wise link: its one-token channel's."""
+        if self._token is not None:
+            return self._token.unresolved
         return not self._polar_applies and self.R * self.T > 4
 
     def _adaptive_target(self):
