@@ -915,6 +915,11 @@ class NoisyChannel(PolarRule, Channel):
             if self._preimage:
                 self._chart_kernels = self._u_model.kernel("chart"), self._u_model.forward
 
+    @property
+    def per_token(self):
+        """The one-token channel of a token-wise link (``moments``), else None."""
+        return self._token
+
     def moments(self, y, omega, V) -> Moments:
         """A one-index link applied to each token alone (``derive.closed.token_wise``): the
         posterior factorises over the tokens, so the moments are those of T one-token channels

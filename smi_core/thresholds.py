@@ -211,9 +211,11 @@ def _deterministic_F(problem: _Problem) -> tuple[float, float, np.ndarray]:
 
 
 def _output_rule_applies(problem: _Problem) -> bool:
-    """One noisy output, and a channel that escalates curved posteriors (``channel.ridges``):
-    there every draw costs milliseconds, and a 1-D rule in y needs far fewer (``_output_F``)."""
-    return problem.noise is not None and problem.n_out == 1 and bool(getattr(problem.channel, "ridges", False))
+    """One noisy output (or one per token of a token-wise link, ``channel.per_token``), and a
+    channel that escalates curved posteriors (``channel.ridges``): there every draw costs
+    milliseconds, and a 1-D rule in y needs far fewer (``_output_F``)."""
+    one = problem.n_out == 1 or getattr(problem.channel, "per_token", None) is not None
+    return problem.noise is not None and one and bool(getattr(problem.channel, "ridges", False))
 
 
 def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.ndarray, int]:
@@ -224,7 +226,13 @@ def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.nda
     decaying integrand), its range grown (by 1 in u, at most OUTPUT_RULE["grow"] times) until
     both ends fall below OUTPUT_RULE["tail"] of the largest value and its step halved until α from steps h and 2h differ by less than
     rtol·α/10 (or the step reaches OUTPUT_RULE["min_step"]); the error is that difference.
-    Also returns the number of channel evaluations."""
+    Also returns the number of channel evaluations.  A token-wise link: F = T F₁ with F₁ its
+    one-token link's (the tokens are independent and J is diagonal in them)."""
+    token = getattr(problem.channel, "per_token", None)
+    if token is not None:
+        one = _problem(token.model, problem.noise, 2 * BLOCKS, problem.rng, "sobol", token, xi=False)
+        rho, error, M, used = _output_F(one, rtol, bar)
+        return problem.T * rho, error / problem.T, M, used
     R, T, sd = problem.R, problem.T, np.sqrt(problem.noise)
     Z = np.random.default_rng(0).standard_normal((OUTPUT_RULE["pilot"], R, T))
     g = problem.model.forward(Z).reshape(-1)
