@@ -978,7 +978,7 @@ class NoisyChannel(PolarRule, Channel):
         """Below POLAR_MIN_NOISE: samples whose estimate is above ``escalate`` get finer rings
         (``_polar_target``); without the estimate the result stands (with the last layer pinned,
         q = diag(0.3, 0.99), Δ = 1e-12: up to 0.35 off where the escalation leaves 1e-6).  Any
-        other link with R·T = 2 (``ridges``): samples whose estimate is above ``escalate`` go to
+        other link with R·T ≤ 4 (``ridges``): samples whose estimate is above ``escalate`` go to
         the adaptive rule."""
         return (self._preimage and self.model.layers == 2) or self.ridges
 

@@ -258,7 +258,7 @@ class _Problem:
     def _remedy(self) -> str:
         if self.channel.unresolved:
             return "they are curved (R·T > 4), and channel={'tol': ...} runs the adaptive rule (slow)."
-        if getattr(self.channel, "ridges", False):
+        if self.channel.ridges:
             return ("the adaptive rule stopped at its budget (its estimate is often far above its "
                     "error there); channel={'max_regions': ...} raises it (slower).")
         return "channel={'tol': ...} asks for finer rules (slower)."

@@ -97,10 +97,14 @@ def _evaluate(problem: _Problem, q: np.ndarray) -> _Evaluation:
     """A drawn output the channel cannot take (a softmax entry underflowed to 0, only far out
     in the widened tails) counts as 0 (``_Problem.moments``)."""
     g, dg, _ = problem.moments(q)
-    R, T = problem.R, problem.T
-    J = dg.reshape(-1, R, T, R, T)
     return _Evaluation(gg=problem.draws.blocks(np.einsum("nat,nbt->nab", g, g)),
-                       F=problem.draws.blocks(np.einsum("natcs,nbtds->nabcd", J, J)))
+                       F=problem.draws.blocks(_terms(dg, problem.R, problem.T)))
+
+
+def _terms(dg: np.ndarray, R: int, T: int) -> np.ndarray:
+    """Per sample, F's tensor Σ_{t,s} J_{(a,t),(c,s)} J_{(b,t),(d,s)} from J = ∂_ω g_out (n, RT, RT)."""
+    J = dg.reshape(-1, R, T, R, T)
+    return np.einsum("natcs,nbtds->nabcd", J, J)
 
 
 def apply(F: np.ndarray, M: np.ndarray) -> np.ndarray:
@@ -224,8 +228,9 @@ def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.nda
     √Δ sinh u (c the median of g(Z) over OUTPUT_RULE["pilot"] draws: nodes √Δ-dense about c,
     geometric in the tails), the trapezoid rule in u (spectrally accurate for a smooth, fast
     decaying integrand), its range grown (by 1 in u, at most OUTPUT_RULE["grow"] times) until
-    both ends fall below OUTPUT_RULE["tail"] of the largest value and its step halved until α from steps h and 2h differ by less than
-    rtol·α/10 (or the step reaches OUTPUT_RULE["min_step"]); the error is that difference.
+    both ends fall below OUTPUT_RULE["tail"] of the largest value and its step halved until α
+    from steps h and 2h differ by less than rtol·α/10 (or the step reaches
+    OUTPUT_RULE["min_step"]); the error is that difference.
     Also returns the number of channel evaluations.  A token-wise link: F = T F₁ with F₁ its
     one-token link's (the tokens are independent and J is diagonal in them)."""
     token = getattr(problem.channel, "per_token", None)
@@ -244,10 +249,8 @@ def _output_F(problem: _Problem, rtol: float, bar) -> tuple[float, float, np.nda
         u = np.array([x for x in u if x not in values])
         if u.size:
             m = problem.channel.moments(c + sd * np.sinh(u), np.zeros((len(u), R, T)), np.eye(R))
-            J = m.dg_out.reshape(-1, R, T, R, T)
-            F = np.einsum("natcs,nbtds->nabcd", J, J)
             w = np.exp(m.log_z) * sd * np.cosh(u)
-            values.update((x, (wi, Fi)) for x, wi, Fi in zip(u, w, F))
+            values.update((x, (wi, Fi)) for x, wi, Fi in zip(u, w, _terms(m.dg_out, R, T)))
 
     def total(h):
         u = np.arange(np.floor(span[0] / h), np.ceil(span[1] / h) + 1) * h
