@@ -516,14 +516,24 @@ def test_reparam_l2_t3_pinned_estimate_bounds_the_error():
 
 # -- L = 3 (T = 2): 4-D integral ------------------------------------------------------------------
 
-def check_l3(d, n=5, ref_tol=REF_TOL_L3, n_max=None):
-    """The three-layer channel against the reference with n nodes per panel, raised up to n_max
-    while the reference's own bound is above ref_tol (its bound falls ≈ 5–20× per order)."""
+def check_l3(d, n=5, ref_tol=REF_TOL_L3, n_max=None, ch=None):
+    """The three-layer channel (default: ``channel(3)``) against the reference with n nodes per
+    panel, raised up to n_max while the reference's own bound is above ref_tol (its bound falls
+    ≈ 5–20× per order)."""
     expected = ref.reparam_l3(d.y, d.omega, d.V, n=n)
     while n_max is not None and expected.error > ref_tol and n < n_max:
         n += 1
         expected = ref.reparam_l3(d.y, d.omega, d.V, n=n)
-    compare("L=3", channel(3), d, expected, RTOL_L3, ref_tol)
+    compare("L=3", ch or channel(3), d, expected, RTOL_L3, ref_tol)
+
+
+def laplace3(**options):
+    """A three-layer channel whose polar rule stops at POLAR_MIN_SD whatever V (before
+    2026-11-27 every three-layer channel did): the Laplace rule below it, also where every
+    layer is about as narrow."""
+    ch = model(3).channel(**options)
+    ch.POLAR3_MIN_SD = dict(ch.POLAR3_MIN_SD, sd=ch.POLAR_MIN_SD)
+    return ch
 
 
 @examples(1)
@@ -1114,23 +1124,44 @@ def test_reparam_l3_tail_beyond_the_laplace_box():
     rule over ±8 of the piece was 1.1e-3 off the reference while estimating 2.0e-5; it now spans
     ±ADAPTIVE_BOUND (12)."""
     y, omega, V = se_batch(3, 16, 0.96 * np.eye(3), np.random.default_rng(4))
-    check_l3(Draw(y[4], omega[4], V, "tail", 0.96 * np.eye(3)))
+    check_l3(Draw(y[4], omega[4], V, "tail", 0.96 * np.eye(3)), ch=laplace3(tol=CHANNEL_TOL))
 
 
 def test_reparam_l3_laplace_rule_escalates_by_default():
-    """Three layers with every layer narrow (q = 0.97·I: the Laplace rule), default channel:
-    samples whose estimate is above ``escalate`` (LAPLACE3_ESCALATE) get the finer Gauss–Hermite
-    round.  Draw 60 was 2.6e-3 off without it (measured 3.9e-5 with it); draw 53, y at the
-    softmax edge (smallest entry 9e-13), 1.1e-2 → 4.6e-4, still above 1e-4 but flagged."""
+    """Three layers with every layer narrow (q = 0.97·I) and the Laplace rule (``laplace3``; the
+    default channel takes the polar rule there now, next test), default options: samples whose
+    estimate is above ``escalate`` (LAPLACE3_ESCALATE) get the finer Gauss–Hermite round.  Draw
+    60 was 2.6e-3 off without it (measured 3.9e-5 with it); draw 53, y at the softmax edge
+    (smallest entry 9e-13), 1.1e-2 → 4.6e-4, still above 1e-4 but flagged."""
     y, omega, V = se_batch(3, 64, 0.97 * np.eye(3), np.random.default_rng(7))
     for i, tolerance in ((60, RTOL_L3), (53, None)):
         r = ref.reparam_l3(y[i], omega[i], V, n=5)
         assert r.error <= REF_TOL_L3
-        got = {name: model(3).channel(**options).moments(y[i:i + 1], omega[i:i + 1], V)
+        got = {name: laplace3(**options).moments(y[i:i + 1], omega[i:i + 1], V)
                for name, options in (("default", {}), ("without", dict(escalate=1.0)))}
         err = {name: ref.metric(m.g_out[0], m.dg_out[0], r.g_out, r.dg_out) for name, m in got.items()}
         assert err["without"] > 1e-3 and err["default"] < err["without"] / 10, err
         assert err["default"] <= (tolerance or got["default"].error[0]) + r.error, (err, got["default"].error[0])
+
+
+def test_reparam_l3_every_layer_narrow_takes_the_polar_rule():
+    """Three layers at q = 0.97·I (conditional sd 0.17, every layer as narrow): the default
+    channel takes the polar rule (POLAR3_MIN_SD), within RTOL_L3 of the reference on the two
+    draws of the previous test, where the Laplace rule's default is 3.9e-5 and 4.6e-4 off; with
+    the last layer pinned (q = diag(0.97, 0.97, 0.999)) the Laplace rule stays."""
+    from smi_core.channels import ReparamChannel
+    y, omega, V = se_batch(3, 64, 0.97 * np.eye(3), np.random.default_rng(7))
+    ch = model(3).channel()
+    assert (ch._polar_weight(omega[:2], np.broadcast_to(V, (2, 3, 3))) == 1).all()
+    pinned = np.diag([0.03, 0.03, 0.001])
+    assert (ch._polar_weight(omega[:2], np.broadcast_to(pinned, (2, 3, 3))) == 0).all()
+    lo, hi = ReparamChannel.POLAR3_MIN_SD["ratio"]
+    for rho in (lo, hi):        # the threshold's ends: POLAR_MIN_SD and POLAR3_MIN_SD["sd"]
+        prec = np.array([[1.0, 1.0, 1.0 / rho ** 2]])
+        sd = ReparamChannel.POLAR_MIN_SD if rho == lo else ReparamChannel.POLAR3_MIN_SD["sd"]
+        assert np.isclose(ch._polar_min_sd(prec)[0], sd)
+    for i in (60, 53):
+        check_l3(Draw(y[i], omega[i], V, f"q = 0.97·I, draw {i}", 0.97 * np.eye(3)), ch=ch)
 
 
 # -- the noiseless limit of the noisy route ---------------------------------------------------------------
