@@ -533,23 +533,26 @@ class ReparamChannel(PolarRule, Channel):
 
     # three layers, every layer about as narrow (the last layer's conditional sd over the narrowest
     # earlier layer's, ρ, at least ratio[1]): the polar rule down to conditional sd 0.13 instead of
-    # POLAR_MIN_SD, the threshold moving linearly between ρ = ratio[0] and ratio[1].  Against the
-    # channel at tol = 1e-6 (24 draws per q, 256-draw batches): at q = 0.95·I the polar rule 1.2e-5
-    # max in 1.4 ms per sample where the blend of both rules took 4.2 ms at 8.4e-4; at 0.97·I
-    # 2.5e-5 where the Laplace rule was up to 1.5e-4 off (5.3e-3 on another draw, y at the softmax
-    # edge); at 0.98 both within 2e-5.  With the last layer pinned the polar rule is the worse one
-    # (q = diag(0.97, 0.97, 0.999), ρ = 0.18: up to 0.51 off where the Laplace rule is 6.3e-3), so
-    # there the threshold stays.
+    # POLAR_MIN_SD, by a hard switch (both rules accurate there, and the blend ran both: at q =
+    # 0.975 / 0.98·I 5.2 / 6.1 ms per sample where either alone took ≈ 1.5–3); threshold and blend
+    # width move linearly between ρ = ratio[0] and ratio[1].  Against the channel at tol = 1e-6
+    # (24 draws per q, 256-draw batches): at q = 0.95·I the polar rule 1.2e-5 max in 1.4 ms per
+    # sample where the blend of both rules took 4.2 ms at 8.4e-4; at 0.97·I 2.5e-5 where the
+    # Laplace rule was up to 1.5e-4 off (5.3e-3 on another draw, y at the softmax edge); at 0.98
+    # both within 2e-5.  With the last layer pinned the polar rule is the worse one (q = diag(0.97,
+    # 0.97, 0.999), ρ = 0.18: up to 0.51 off where the Laplace rule is 6.3e-3), so there threshold
+    # and blend stay.
     POLAR3_MIN_SD = dict(sd=0.13, ratio=(0.5, 0.8))
 
-    def _polar_min_sd(self, prec):
-        """POLAR_MIN_SD; three layers: towards POLAR3_MIN_SD["sd"] as ρ = √(max_ℓ<L (V⁻¹)_ℓℓ /
-        (V⁻¹)_LL) grows through POLAR3_MIN_SD["ratio"] (continuous in V)."""
+    def _polar_threshold(self, prec):
+        """POLAR_MIN_SD and the blend; three layers: towards POLAR3_MIN_SD["sd"] and a hard switch
+        as ρ = √(max_ℓ<L (V⁻¹)_ℓℓ / (V⁻¹)_LL) grows through POLAR3_MIN_SD["ratio"]."""
+        s_min, blend = super()._polar_threshold(prec)
         if self.model.layers != 3:
-            return super()._polar_min_sd(prec)
+            return s_min, blend
         lo, hi = self.POLAR3_MIN_SD["ratio"]
         t = np.clip((np.sqrt(prec[:, :2].max(axis=1) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
-        return self.POLAR_MIN_SD + t * (self.POLAR3_MIN_SD["sd"] - self.POLAR_MIN_SD)
+        return s_min + t * (self.POLAR3_MIN_SD["sd"] - s_min), blend * (1 - t)
 
     @property
     def _ring_layers(self):

@@ -82,22 +82,23 @@ class PolarRule:
         """The weight of the polar rule per sample: 1 where the prior of every ring layer ℓ
         conditioned on the other layers is broad, s = min_ℓ 1/√(V⁻¹)_ℓℓ ≥ (1 + blend)
         s_min; 0 (the Laplace-centred Gauss–Hermite rule: the softmax cliffs are then smooth on
-        the posterior's scale) below s_min (``_polar_min_sd``: POLAR_MIN_SD unless the channel
-        says otherwise); linear in s between, where the
+        the posterior's scale) below s_min (``_polar_threshold``: POLAR_MIN_SD and the ring
+        parameters' blend unless the channel says otherwise); linear in s between, where the
         channel returns the mixture of both rules' posteriors (``channels._blend``), so that the
         moments stay continuous in V where the two rules disagree (``blend`` of the ring
         parameters; 0: a hard switch)."""
         if not self._polar_applies:
             return np.zeros(len(omega))
         prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)
-        above = 1.0 / (self._polar_min_sd(prec) * np.sqrt(prec[:, :self._ring_layers].max(axis=1))) - 1
-        blend = self._polar_params()["blend"]
-        return np.clip(above / blend, 0.0, 1.0) if blend > 0 else (above >= 0).astype(float)
+        s_min, blend = self._polar_threshold(prec)
+        above = 1.0 / (s_min * np.sqrt(prec[:, :self._ring_layers].max(axis=1))) - 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(blend > 0, np.clip(above / blend, 0.0, 1.0), (above >= 0).astype(float))
 
-    def _polar_min_sd(self, prec):
-        """The conditional sd below which the Laplace rule takes over (POLAR_MIN_SD), given each
-        sample's diagonal of V⁻¹ (n, R)."""
-        return self.POLAR_MIN_SD
+    def _polar_threshold(self, prec):
+        """(s_min, blend) per sample, given each sample's diagonal of V⁻¹ (n, R): POLAR_MIN_SD
+        and the ring parameters' ``blend``."""
+        return self.POLAR_MIN_SD, self._polar_params()["blend"]
 
     def _polar_params(self):
         """The ring parameters: POLAR with the channel's changes for the model's depth."""

@@ -528,11 +528,11 @@ def check_l3(d, n=5, ref_tol=REF_TOL_L3, n_max=None, ch=None):
 
 
 def laplace3(**options):
-    """A three-layer channel whose polar rule stops at POLAR_MIN_SD whatever V (before
+    """A three-layer channel whose polar rule stops at POLAR_MIN_SD, blended, whatever V (before
     2026-11-27 every three-layer channel did): the Laplace rule below it, also where every
     layer is about as narrow."""
     ch = model(3).channel(**options)
-    ch.POLAR3_MIN_SD = dict(ch.POLAR3_MIN_SD, sd=ch.POLAR_MIN_SD)
+    ch.POLAR3_MIN_SD = dict(ch.POLAR3_MIN_SD, ratio=(1e300, 2e300))      # ρ never reaches it
     return ch
 
 
@@ -1148,7 +1148,8 @@ def test_reparam_l3_every_layer_narrow_takes_the_polar_rule():
     """Three layers at q = 0.97·I (conditional sd 0.17, every layer as narrow): the default
     channel takes the polar rule (POLAR3_MIN_SD), within RTOL_L3 of the reference on the two
     draws of the previous test, where the Laplace rule's default is 3.9e-5 and 4.6e-4 off; with
-    the last layer pinned (q = diag(0.97, 0.97, 0.999)) the Laplace rule stays."""
+    the last layer pinned (q = diag(0.97, 0.97, 0.999)) the Laplace rule stays.  Where ρ ≥ 0.8
+    the switch is hard (blend 0)."""
     from smi_core.channels import ReparamChannel
     y, omega, V = se_batch(3, 64, 0.97 * np.eye(3), np.random.default_rng(7))
     ch = model(3).channel()
@@ -1156,10 +1157,10 @@ def test_reparam_l3_every_layer_narrow_takes_the_polar_rule():
     pinned = np.diag([0.03, 0.03, 0.001])
     assert (ch._polar_weight(omega[:2], np.broadcast_to(pinned, (2, 3, 3))) == 0).all()
     lo, hi = ReparamChannel.POLAR3_MIN_SD["ratio"]
-    for rho in (lo, hi):        # the threshold's ends: POLAR_MIN_SD and POLAR3_MIN_SD["sd"]
-        prec = np.array([[1.0, 1.0, 1.0 / rho ** 2]])
-        sd = ReparamChannel.POLAR_MIN_SD if rho == lo else ReparamChannel.POLAR3_MIN_SD["sd"]
-        assert np.isclose(ch._polar_min_sd(prec)[0], sd)
+    for rho, sd, blend in ((lo, ReparamChannel.POLAR_MIN_SD, ch._polar_params()["blend"]),
+                           (hi, ReparamChannel.POLAR3_MIN_SD["sd"], 0.0)):     # the ends
+        s_min, b = ch._polar_threshold(np.array([[1.0, 1.0, 1.0 / rho ** 2]]))
+        assert np.isclose(s_min[0], sd) and np.isclose(b[0], blend)
     for i in (60, 53):
         check_l3(Draw(y[i], omega[i], V, f"q = 0.97·I, draw {i}", 0.97 * np.eye(3)), ch=ch)
 
