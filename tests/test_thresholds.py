@@ -86,14 +86,6 @@ def _product_link_reference(noise: float, n: int = 32) -> float:
     return 1 / np.abs(np.linalg.eigvals(F)).max()
 
 
-def test_two_index_product_link_against_independent_quadrature():
-    noise = 0.5
-    reference = _product_link_reference(noise)
-    th = weak_recovery_threshold(LinkModel("th_product"), noise=noise)      # the 1-D rule in y (_output_F)
-    assert abs(th.alpha - reference) < 4 * th.stderr + 2e-4 * reference
-    assert th.stderr < 2e-3 * th.alpha
-
-
 def _product_link_semi_analytic(noise: float) -> float:
     """α_c of y = z₁z₂ + √Δ η with z₂ integrated in closed form: given z₁, z₂ | y is
     N(z₁y/(Δ + z₁²), Δ/(Δ + z₁²)) and y ~ N(0, Δ + z₁²), so the posterior moments are 1-D
