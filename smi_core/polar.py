@@ -176,8 +176,8 @@ class PolarRule:
         layers a sample also leaves out the nodes away from ±ω_ℓ (``_arc``, ``_window``: the
         prior's concentration on a ring): the first layer's nodes with |x_1 ∓ ω_1|²/V_11 >
         reach², and, for a last layer not from the origin, the angles of each ring with d_2² +
-        its arc > reach² (each ring's nodes cut to one or two ranges by integrate_polar).
-        Returns a ``Plan``."""
+        its arc > reach² (each ring's nodes cut to one or two ranges by integrate_polar).  Blocks
+        no sample runs over are not set up.  Returns a ``Plan``."""
         group, mu = self._polar_groups(omega, V)
         G = group.max() + 1
         layers = self._polar_layers(group, mu, V, scale)
@@ -198,6 +198,10 @@ class PolarRule:
         first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)))
         has = near & (rest >= 0) & (last > first)
         row = (group[:, None] * rest.shape[1] + np.arange(rest.shape[1])) * shape[-1]
+        cover = np.zeros(size.size + 1, dtype=np.int64)      # only the blocks some sample runs over
+        np.add.at(cover, (row + first)[has], 1)
+        np.add.at(cover, (row + last)[has], -1)
+        size = np.where(np.cumsum(cover[:-1]) > 0, size, 0)
         window = None
         if len(layers) == 2 and not layers[-1].origin:
             window = _window(layers[-1], group, omega[:, 1], reach2 - self._sample_far(layers[-1], group))
