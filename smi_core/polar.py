@@ -108,6 +108,11 @@ class PolarRule:
         """Error tolerance of the escalation (None: no escalation)."""
         return self.tol
 
+    def _polar_escalation(self, Vinv):
+        """The escalation of ``_polar``: the target (None, a number or one per sample) and the
+        number of rounds, given each sample's V⁻¹."""
+        return self._polar_target(), 3
+
     def _polar_groups(self, omega, V):
         """Samples that share the polar nodes: equal V and, for every ring layer ℓ, |ω_ℓ| in the
         same cell of width bin·√V_ℓℓ.  Returns the group of each sample (0 … G-1) and the |ω_ℓ|
@@ -280,8 +285,9 @@ class PolarRule:
 
     def _polar(self, y, omega, V, Vinv, logdetV):
         """The polar rule at ``nodes`` (scaled by ``_polar_scale``).  Error: the difference to
-        the rule with counts / 1.5; with a target (``tol``), counts grow by 1.5 (the previous
-        rule as the coarse one) up to three times while the estimate is above it (and, where
+        the rule with counts / 1.5; with a target (``tol``; ``_polar_escalation``), counts grow by
+        1.5 (the previous rule as the coarse one) up to three times (or the rounds it gives) while
+        the estimate is above it (and, where
         ``_polar_stall`` is set, fell in the last round below that fraction of its previous value).  Returns
         (log_z, E[Z], Cov[Z], error)."""
         n, RT = len(omega), self.R * self.T
@@ -293,9 +299,9 @@ class PolarRule:
         if self.error_estimate:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
-        target = self._polar_target()
+        target, rounds = self._polar_escalation(Vinv)
         going = np.ones(n, dtype=bool)
-        for _ in range(3 if target is not None else 0):
+        for _ in range(rounds if target is not None else 0):
             redo = np.flatnonzero(~(error <= target) & going)
             if not redo.size:
                 break
