@@ -551,7 +551,7 @@ class ReparamChannel(PolarRule, Channel):
         if self.model.layers != 3:
             return s_min, blend
         lo, hi = self.POLAR3_MIN_SD["ratio"]
-        t = np.clip((np.sqrt(prec[:, :2].max(axis=1) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
+        t = np.clip((np.sqrt(self._ring_prec(prec) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
         return s_min + t * (self.POLAR3_MIN_SD["sd"] - s_min), blend * (1 - t)
 
     # three layers where the polar rule took over from the Laplace rule (the threshold lowered, ρ >
@@ -570,7 +570,7 @@ class ReparamChannel(PolarRule, Channel):
         if target is None and self.model.layers == 3 and self.error_estimate:
             prec = np.diagonal(Vinv, axis1=1, axis2=2)
             took_over = (self._polar_threshold(prec)[0] < self.POLAR_MIN_SD) & (
-                1.0 / np.sqrt(prec[:, :2].max(axis=1)) < (1 + self._polar_params()["blend"]) * self.POLAR_MIN_SD)
+                1.0 / np.sqrt(self._ring_prec(prec)) < (1 + self._polar_params()["blend"]) * self.POLAR_MIN_SD)
             return np.where(took_over, self.POLAR3_ESCALATE, np.inf), 1
         return target, rounds
 

@@ -91,9 +91,14 @@ class PolarRule:
             return np.zeros(len(omega))
         prec = np.diagonal(np.linalg.inv(V), axis1=1, axis2=2)
         s_min, blend = self._polar_threshold(prec)
-        above = 1.0 / (s_min * np.sqrt(prec[:, :self._ring_layers].max(axis=1))) - 1
+        above = 1.0 / (s_min * np.sqrt(self._ring_prec(prec))) - 1
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(blend > 0, np.clip(above / blend, 0.0, 1.0), (above >= 0).astype(float))
+
+    def _ring_prec(self, prec):
+        """Per sample, the largest conditional precision (V⁻¹)_ℓℓ of the ring layers (the
+        narrowest one's sd is 1/√ of it), from each sample's diagonal of V⁻¹ (n, R)."""
+        return prec[:, :self._ring_layers].max(axis=1)
 
     def _polar_threshold(self, prec):
         """(s_min, blend) per sample, given each sample's diagonal of V⁻¹ (n, R): POLAR_MIN_SD
@@ -203,16 +208,16 @@ class PolarRule:
         first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)))
         has = near & (rest >= 0) & (last > first)
         row = (group[:, None] * rest.shape[1] + np.arange(rest.shape[1])) * shape[-1]
+        seg_b0, seg_b1 = (row + first)[has], (row + last)[has]      # each sample's segments of blocks
         cover = np.zeros(size.size + 1, dtype=np.int64)      # only the blocks some sample runs over
-        np.add.at(cover, (row + first)[has], 1)
-        np.add.at(cover, (row + last)[has], -1)
+        np.add.at(cover, seg_b0, 1)
+        np.add.at(cover, seg_b1, -1)
         size = np.where(np.cumsum(cover[:-1]) > 0, size, 0)
         window = None
         if len(layers) == 2 and not layers[-1].origin:
             window = _window(layers[-1], group, omega[:, 1], reach2 - self._sample_far(layers[-1], group))
         return Plan(layers, (G,) + shape, size, np.concatenate([[0], np.cumsum(size)]),
-                    np.repeat(np.arange(len(group)), has.sum(axis=1)), (row + first)[has], (row + last)[has],
-                    first[has], window)
+                    np.repeat(np.arange(len(group)), has.sum(axis=1)), seg_b0, seg_b1, first[has], window)
 
     def _polar_pieces(self, plan):
         """The plan's nodes, POLAR_PIECE at a time (bounded memory; at least one block), one node

@@ -1165,7 +1165,6 @@ def test_reparam_l3_every_layer_narrow_takes_the_polar_rule():
         check_l3(Draw(y[i], omega[i], V, f"q = 0.97·I, draw {i}", 0.97 * np.eye(3)), ch=ch)
 
 
-
 # q = 0.975·I, y at the softmax edge (the benchmark's first draw there)
 EDGE_L3 = Draw(y=np.array([[9.9999995385230689e-01, 4.6147693173083495e-08],
                            [9.9995792874544520e-01, 4.2071254554810605e-05]]),
@@ -1178,8 +1177,9 @@ EDGE_L3 = Draw(y=np.array([[9.9999995385230689e-01, 4.6147693173083495e-08],
 def test_reparam_l3_narrow_polar_rule_escalates_by_default():
     """Three layers where the polar rule took over from the Laplace rule (threshold lowered, sd
     below 0.25): samples whose estimate is above POLAR3_ESCALATE get one round at 1.5× the
-    counts by default (pinned or broader: none; with ``tol``: its three rounds).  On a q = 0.975·I draw with y at the softmax edge the rule without it was
-    7.9e-4 off (estimate 3.2e-2), with it 6.5e-6 (measured against the reference at n = 6)."""
+    counts by default (pinned or broader: none; with ``tol``: its three rounds).  On a q =
+    0.975·I draw with y at the softmax edge the rule without it was 7.9e-4 off (estimate
+    3.2e-2), with it 6.5e-6 (measured against the reference at n = 6)."""
     ch = model(3).channel()
     prec = np.array([[40.0, 40.0, 40.0], [40.0, 40.0, 1000.0], [10.0, 10.0, 10.0]])   # narrow; pinned; q = 0.9·I
     target, rounds = ch._polar_escalation(prec[:, :, None] * np.eye(3))
@@ -1192,6 +1192,7 @@ def test_reparam_l3_narrow_polar_rule_escalates_by_default():
     m = without.moments(EDGE_L3.y[None], EDGE_L3.omega[None], EDGE_L3.V)
     assert ref.metric(m.g_out[0], m.dg_out[0], expected.g_out, expected.dg_out) > 1e-4
     compare("L=3", ch, EDGE_L3, expected, RTOL_L3, REF_TOL_L3)
+
 
 # -- the noiseless limit of the noisy route ---------------------------------------------------------------
 
