@@ -898,8 +898,7 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
                     const double[:, :, ::1] Vinv, const double[::1] logdetV,
                     const long[::1] seg_ptr, const long[::1] seg_start, const long[::1] seg_stop,
                     const double[:, ::1] nodes, double[::1] log_z, double[:, ::1] mean,
-                    double[:, :, ::1] second, int threads=0, double delta=0.0,
-                    const long[::1] seg_ring=None, const long[:, :, ::1] window=None):
+                    double[:, :, ::1] second, int threads=0, double delta=0.0):
     """Polar rules (T = 2; T = 3 with L = 2, route 0: the spherical rule) on nodes shared by
     groups of samples: sample i runs over the node
     ranges seg_start[j]:seg_stop[j], seg_ptr[i] ≤ j < seg_ptr[i+1] (the nodes' data computed
@@ -917,10 +916,7 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
     The integrand is folded over every reflection h_ℓ → -h_ℓ (Φ and g are even in each layer),
     so each layer's nodes cover a half plane and every node carries 2^L terms.  Moments about
     ω: mean E[Z - ω], second E[(Z - ω)(Z - ω)ᵀ].  Tiles of nodes all below e^-SMI_SKIP of the
-    running maximum are left out.  With ``window`` (n, rings, 5) and ``seg_ring``: segment j
-    runs over consecutive rings of the last layer from ring seg_ring[j], ring l of sample i
-    holding window[i, l, 0] nodes of which only the ranges [lo, hi) = window[i, l, 1:3] and
-    window[i, l, 3:5] count (the sample's arcs)."""
+    running maximum are left out."""
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int L = Vinv.shape[1], noisy = delta > 0, T = omega.shape[1] // Vinv.shape[1]
     if threads <= 0:
@@ -933,19 +929,11 @@ def integrate_polar(const double[:, ::1] u, const double[:, ::1] omega,
         raise ValueError(f"integrate_polar needs T = 2, 2 ≤ L ≤ {POLAR_MAX_LAYERS} and nodes of 2L + 4 values "
                          f"(route 0), T = 3, L = 2 and nodes of 14 values (route 0), or T = 2, 1 ≤ L ≤ 2, "
                          f"nodes of 2L + 10 values and 4 outputs (route 1)")
-    cdef const long* ring = NULL
-    cdef const long* win = NULL
-    if window is not None:
-        if seg_ring is None or seg_ring.shape[0] != seg_start.shape[0] or window.shape[0] != n or window.shape[2] != 5:
-            raise ValueError("integrate_polar needs seg_ring per segment and window (n, rings, 5) together")
-        ring, win = &seg_ring[0], &window[0, 0, 0]
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_sample(&u[i, 0], &omega[i, 0], &Vinv[i, 0, 0], logdetV[i], L, T, delta, &nodes[0, 0],
                           nodes.shape[0], nodes.shape[1], &seg_start[seg_ptr[i]], &seg_stop[seg_ptr[i]],
-                          seg_ptr[i + 1] - seg_ptr[i], ring if ring == NULL else ring + seg_ptr[i],
-                          win if win == NULL else win + i * window.shape[1] * 5,
-                          &log_z[i], &mean[i, 0], &second[i, 0, 0])
+                          seg_ptr[i + 1] - seg_ptr[i], &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
 cdef void _product_sample(const double* rows, Py_ssize_t j0, Py_ssize_t j1, int width, const double* ucol,
@@ -1049,6 +1037,56 @@ def integrate_product(const double[:, ::1] rows, const long[::1] row_ptr, const 
                             u_ptr[i], u_ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
+def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] seg_b1,
+               const long[::1] seg_ring, const long[:, :, ::1] window, const long[::1] start,
+               unsigned char[::1] used, long[::1] who, long[::1] lo, long[::1] hi):
+    """Each sample's arcs of the polar rule's blocks as node ranges (``polar._arc_plan``).
+    Segment j of sample[j] runs over blocks seg_b0[j]:seg_b1[j], ring seg_ring[j] + k of the
+    sample's ``window`` for its k-th block, whose nodes start at start[b] and of which the
+    ranges [lo', hi') and [lo, hi) = window[i, ring, 3:5], window[i, ring, 1:3] count.  Marks
+    ``used`` (the nodes some range covers), then writes the ranges in the numbering of the used
+    nodes alone, ranges of a sample that adjoin there merged: (who, lo, hi)[:m].  Returns m."""
+    cdef Py_ssize_t n_seg = seg_b0.shape[0], total = used.shape[0], j, k, b, m = 0
+    cdef long ring, a0, a1, c
+    cdef int part
+    cdef long* mark = <long*> malloc((total + 1) * sizeof(long))
+    with nogil:
+        for k in range(total + 1):
+            mark[k] = 0
+        for j in range(n_seg):
+            for b in range(seg_b0[j], seg_b1[j]):
+                ring = seg_ring[j] + b - seg_b0[j]
+                for part in range(3, 0, -2):
+                    a0, a1 = window[sample[j], ring, part], window[sample[j], ring, part + 1]
+                    if a1 > a0:
+                        mark[start[b] + a0] += 1
+                        mark[start[b] + a1] -= 1
+        c = 0
+        for k in range(total):              # mark: running cover, then the used nodes before k
+            c += mark[k]
+            used[k] = c > 0
+        c = 0
+        for k in range(total + 1):
+            mark[k] = c
+            if k < total:
+                c += used[k]
+        for j in range(n_seg):
+            for b in range(seg_b0[j], seg_b1[j]):
+                ring = seg_ring[j] + b - seg_b0[j]
+                for part in range(3, 0, -2):
+                    a0, a1 = window[sample[j], ring, part], window[sample[j], ring, part + 1]
+                    if a1 <= a0:
+                        continue
+                    a0, a1 = mark[start[b] + a0], mark[start[b] + a1]
+                    if m > 0 and who[m - 1] == sample[j] and hi[m - 1] == a0:
+                        hi[m - 1] = a1
+                    else:
+                        who[m], lo[m], hi[m] = sample[j], a0, a1
+                        m += 1
+    free(mark)
+    return m
+
+
 def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long R2,
                   const double[:, ::1] x1, const double[::1] lw1, const long[::1] start1,
                   const long[::1] count1, const double[:, ::1] x2, const double[::1] lw2,
@@ -1092,20 +1130,17 @@ cdef void _product_block(long b, long row, long R1, long R2, const double[:, ::1
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,
                         int L, int T, double delta, const double* nodes, Py_ssize_t rows, Py_ssize_t stride,
                         const long* seg_start, const long* seg_stop, Py_ssize_t n_seg,
-                        const long* seg_ring, const long* window,
                         double* log_z, double* mean, double* second) noexcept nogil:
     """One sample of ``integrate_polar`` (node k's value j < rows at nodes[j·stride + k]) over
-    its segments (with ``window``: each segment's rings cut to the sample's arcs): L ≥ 2 by
-    tiles of SMI_TILE nodes (``_polar_range``); L = 1 (route 1) node by node with a
-    running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log constant and the two
-    terms ±h_1)."""
+    its segments: L ≥ 2 by tiles of SMI_TILE nodes (``_polar_range``); L = 1 (route 1) node by
+    node with a running maximum (``_add``; per node h_1 = u_1 — Φ = I — the log constant and
+    the two terms ±h_1)."""
     cdef Acc acc
-    cdef Py_ssize_t k, s, end, a = 0, b = 0
+    cdef Py_ssize_t k, s, end
     cdef int j, m = T * (L - 1) if delta == 0 else 2 * L    # the log weight's row
     cdef int RT = T * L
     cdef double h[2]
     cdef double lc, r2
-    cdef const long* w
     cdef double* buf = NULL
     cdef double* part = NULL
     cdef double* gather = NULL
@@ -1120,19 +1155,7 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
         part = gather + rows * SMI_TILE
     for s in range(n_seg):
         k, end = seg_start[s], seg_stop[s]
-        if L >= 2 and window != NULL:   # ring by ring: [count, lo, hi, lo', hi'] of the sample's arcs
-            w = window + 5 * seg_ring[s]
-            while k < end:              # adjoining pieces run as one range [a, b)
-                for j in range(3, 0, -2):
-                    if w[j + 1] > w[j]:
-                        if k + w[j] != b:
-                            _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, a,
-                                         b, &filled, gather, buf, part)
-                            a = k + w[j]
-                        b = k + w[j + 1]
-                k += w[0]
-                w += 5
-        elif L >= 2:
+        if L >= 2:
             _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, k, end, &filled,
                          gather, buf, part)
         else:                           # L = 1 (route 1): h_1 = u_1, the terms ±u_1
@@ -1145,8 +1168,6 @@ cdef void _polar_sample(const double* u, const double* omega, const double* Vinv
                 for j in range(2):      # g is even in u_1
                     h[0], h[1] = -h[0], -h[1]
                     _add(&acc, lc - 0.5 * Vinv[0] * ((h[0] - omega[0]) ** 2 + (h[1] - omega[1]) ** 2), h, omega)
-    _polar_range(&acc, u, omega, Vinv, const0, delta, L, T, m, nodes, rows, stride, a, b, &filled, gather,
-                 buf, part)
     if filled:
         _polar_tile(&acc, u, omega, Vinv, const0, delta, L, T, m, gather, SMI_TILE, filled, buf, part)
     free(buf)

@@ -1019,6 +1019,40 @@ def test_polar_arcs_leave_out_only_the_prior_beyond_reach(monkeypatch):
     assert max(ref.metric(cut.g_out[i], cut.dg_out[i], full.g_out[i], full.dg_out[i]) for i in range(len(y))) <= 5e-5
 
 
+@given(seed=seeds)
+@settings(BASE, max_examples=30)
+def test_polar_arc_plan_keeps_the_union_of_the_arcs(seed):
+    """``polar._arc_plan`` (``_quadrature.polar_arcs``) against a node-by-node construction: the
+    kept nodes are exactly those some sample's arc covers, and each sample's ranges, read through
+    the kept nodes' numbering, cover exactly its own arcs (each node once)."""
+    from smi_core import polar
+    rng = np.random.default_rng(seed)
+    n, rings = 4, 5
+    N = rng.integers(1, 7, rings)                               # angles per ring of the last layer
+    size = np.tile(N, 3) * (rng.random(3 * rings) < 0.8)        # 3 nodes of the first layer × rings
+    start = np.concatenate([[0], np.cumsum(size)])
+    lo = rng.integers(0, N, (n, rings))
+    span = rng.integers(0, N + 1, (n, rings))
+    window = np.stack([np.broadcast_to(N, (n, rings)), lo, np.minimum(lo + span, N), 0 * lo,
+                       np.maximum(lo + span - N, 0)], axis=2).astype(np.int64)
+    seg = [(i, j * rings + a, j * rings + b, a) for i in range(n) for j in range(3)
+           for a, b in [sorted(rng.integers(0, rings + 1, 2))] if b > a and size[j * rings + a:j * rings + b].all()]
+    arcs = [set() for _ in range(n)]                            # set-up node indices per sample
+    for i, b0, b1, ring in seg:
+        for b in range(b0, b1):
+            w = window[i, ring + b - b0]
+            arcs[i] |= {start[b] + k for k in [*range(w[1], w[2]), *range(w[3], w[4])]}
+    cols = [np.ascontiguousarray(c) for c in np.array(seg, dtype=np.int64).reshape(-1, 4).T]
+    plan = polar._arc_plan([], (), size, start, *cols, window)
+    union = sorted(set().union(*arcs))
+    set_up = np.concatenate([np.arange(start[b], start[b + 1]) for b in np.flatnonzero(plan.size)] or [[]])
+    assert list(set_up[plan.used]) == union
+    for i in range(n):
+        mine = [k for s, a, b in zip(plan.sample, plan.seg_start, plan.seg_stop) if s == i for k in range(a, b)]
+        assert sorted(mine) == [union.index(k) for k in sorted(arcs[i])]
+    assert (np.diff(plan.sample) >= 0).all()
+
+
 IDENTITY_CASES = {
     "L1": (1, np.array([[0.6]]), None, None),
     "L2-scalar": (2, 0.5 * np.eye(2), None, 1e-4),
