@@ -86,7 +86,7 @@ def main():
     if a.self_reference_tol is not None and not a.self_reference:
         p.error("--self-reference-tol needs --self-reference K (the draws it is measured on)")
     rng = np.random.default_rng(0)
-    print(f"{'route':22s} {'L':>2s} {'T':>2s} {'q':>5s} {'setting':20s} {'us/sample':>10s} "
+    print(f"{'route':22s} {'L':>2s} {'T':>2s} {'q':>6s} {'setting':20s} {'us/sample':>10s} "
           f"{'median err':>11s} {'max err':>9s} {'est. err (median)':>18s}")
     for route, L, T, noise, reference, settings in CASES:
         if L not in a.layers or T not in a.tokens or route not in a.routes:
@@ -139,7 +139,7 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
         us = min(times) / len(y) * 1e6
         errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
         label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
-        print(f"{case:22s} {L:2d} {T:2d} {q:5.{4 if a.pinned else 2}f} {label:20s} {us:10.1f} "
+        print(f"{case:22s} {L:2d} {T:2d} {q:6.{4 if a.pinned else 3}f} {label:20s} {us:10.1f} "
               f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
 
 
