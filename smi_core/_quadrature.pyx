@@ -31,7 +31,7 @@ caller chose; the same ``_place`` and ``_terms``, in polar mode).
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
 from libc.math cimport cos, exp, fabs, fmax, fmin, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport calloc, malloc, free
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
 
@@ -1046,23 +1046,22 @@ def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] s
     ranges [lo', hi') and [lo, hi) = window[i, ring, 3:5], window[i, ring, 1:3] count.  Marks
     ``used`` (the nodes some range covers), then writes the ranges in the numbering of the used
     nodes alone, ranges of a sample that adjoin there merged: (who, lo, hi)[:m].  Returns m."""
-    cdef Py_ssize_t n_seg = seg_b0.shape[0], total = used.shape[0], j, k, b, m = 0
-    cdef long ring, a0, a1, c
+    cdef Py_ssize_t n_seg = seg_b0.shape[0], total = used.shape[0], j, k, b, r = 0, m = 0
+    cdef long ring, a0, a1, c = 0
     cdef int part
-    cdef long* mark = <long*> malloc((total + 1) * sizeof(long))
+    cdef long* mark = <long*> calloc(total + 1, sizeof(long))
     with nogil:
-        for k in range(total + 1):
-            mark[k] = 0
-        for j in range(n_seg):
+        for j in range(n_seg):              # the ranges in the set-up nodes' numbering
             for b in range(seg_b0[j], seg_b1[j]):
                 ring = seg_ring[j] + b - seg_b0[j]
                 for part in range(3, 0, -2):
                     a0, a1 = window[sample[j], ring, part], window[sample[j], ring, part + 1]
                     if a1 > a0:
-                        mark[start[b] + a0] += 1
-                        mark[start[b] + a1] -= 1
-        c = 0
-        for k in range(total):              # mark: running cover, then the used nodes before k
+                        who[r], lo[r], hi[r] = sample[j], start[b] + a0, start[b] + a1
+                        mark[lo[r]] += 1
+                        mark[hi[r]] -= 1
+                        r += 1
+        for k in range(total):              # mark: the running cover, then the used nodes before k
             c += mark[k]
             used[k] = c > 0
         c = 0
@@ -1070,19 +1069,13 @@ def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] s
             mark[k] = c
             if k < total:
                 c += used[k]
-        for j in range(n_seg):
-            for b in range(seg_b0[j], seg_b1[j]):
-                ring = seg_ring[j] + b - seg_b0[j]
-                for part in range(3, 0, -2):
-                    a0, a1 = window[sample[j], ring, part], window[sample[j], ring, part + 1]
-                    if a1 <= a0:
-                        continue
-                    a0, a1 = mark[start[b] + a0], mark[start[b] + a1]
-                    if m > 0 and who[m - 1] == sample[j] and hi[m - 1] == a0:
-                        hi[m - 1] = a1
-                    else:
-                        who[m], lo[m], hi[m] = sample[j], a0, a1
-                        m += 1
+        for j in range(r):                  # renumbered in place (m ≤ j), adjoining ranges merged
+            a0, a1 = mark[lo[j]], mark[hi[j]]
+            if m > 0 and who[m - 1] == who[j] and hi[m - 1] == a0:
+                hi[m - 1] = a1
+            else:
+                who[m], lo[m], hi[m] = who[j], a0, a1
+                m += 1
     free(mark)
     return m
 
