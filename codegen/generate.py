@@ -24,14 +24,15 @@ TEMPLATE = Template((Path(__file__).parent / "templates" / "module.pyx.in").read
 def render_module(kernels: list[KernelSpec]) -> str:
     """The .pyx text of one extension module holding ``kernels``."""
     programs = [(k, k.program) for k in kernels]
-    c_code = "\n".join(doprint(p, k.name) for k, p in programs)
+    c_code = "\n".join(doprint(p, k.name) + f"\nSMI_KERNEL({k.name}, {p.n_in}, {p.n_out})" for k, p in programs)
     sources = sorted({p.source for _, p in programs})
     return TEMPLATE.substitute(
         sources=", ".join(sources),
         c_code=textwrap.indent(c_code, "    "),
-        declarations="\n".join(f"    void {k.name}(const double*, const double*, double*) nogil"
+        declarations="\n".join(f"    void {k.name}(const double*, const double*, double*) nogil\n"
+                               f"    void {k.name}_rows(const double*, const double*, double*, long) nogil"
                                for k, _ in programs),
-        table="\n".join(f'    "{k.name}": _kernel({k.name}, "{k.name}", {p.n_in}, {p.n_out}, '
+        table="\n".join(f'    "{k.name}": _kernel({k.name}, {k.name}_rows, "{k.name}", {p.n_in}, {p.n_out}, '
                         f'{max(len(p.params), 1)}),' for k, p in programs),
     )
 

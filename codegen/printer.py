@@ -3,10 +3,13 @@
 The body and outputs go through ``sympy.cse`` in canonical order, so the text is deterministic.
 Every kernel has the signature
 
-    static void NAME(const double *in, const double *par, double *out)
+    static inline void NAME_at(const double *in, long si, const double *par, double *out, long so)
 
-with ``in`` the flattened inputs of one sample (input matrices in order, row-major), ``par`` the
-runtime parameters and ``out`` the flattened outputs (in the order of ``program.outputs``).
+with in[k·si] the flattened inputs of one sample (input matrices in order, row-major), ``par``
+the runtime parameters and out[k·so] the flattened outputs (in the order of
+``program.outputs``): si = so = 1 for one sample's row (the template's ``NAME``), the block's
+length for a block of samples stored by columns (its ``NAME_rows``, where the loop over the
+samples vectorises).
 """
 from __future__ import annotations
 
@@ -17,7 +20,15 @@ from derive.program import Program
 
 
 class KernelPrinter(C99CodePrinter):
-    """C99 with small integer powers as products and reciprocal square roots spelled out."""
+    """C99 with small integer powers as products, reciprocal square roots spelled out, and max
+    as ``smi_fmax`` (the template's fmax with a select the vectoriser takes)."""
+
+    def _print_Max(self, expr):
+        args = [self._print(a) for a in expr.args]
+        text = args[0]
+        for a in args[1:]:
+            text = f"smi_fmax({text}, {a})"
+        return text
 
     def _print_Pow(self, expr):
         base, exp = expr.args
@@ -43,10 +54,11 @@ def _cse(prog: Program):
 
 
 def doprint(prog: Program, name: str) -> str:
-    """The C function of ``prog`` (``name`` is the C identifier)."""
+    """The C function ``NAME_at`` of ``prog`` (``name`` is the C identifier of the kernel)."""
     printer = KernelPrinter()
-    lines = [f"static void {name}(const double *in, const double *par, double *out)", "{"]
-    lines += [f"    const double {s} = in[{i}];" for i, s in enumerate(prog.input_symbols())]
+    lines = [f"static inline SMI_INLINE void {name}_at(const double *in, long si, const double *par, double *out, long so)",
+             "{"]
+    lines += [f"    const double {s} = in[{i}*si];" for i, s in enumerate(prog.input_symbols())]
     lines += [f"    const double {s} = par[{i}];" for i, s in enumerate(prog.params)]
     replacements, body, outs = _cse(prog)
     # cse temporaries and body assignments interleave in dependency order: emit each temporary
@@ -70,6 +82,6 @@ def doprint(prog: Program, name: str) -> str:
         emit(sym, expr)
     for i, expr in enumerate(outs):
         flush(expr)
-        lines.append(f"    out[{i}] = {printer.doprint(expr)};")
+        lines.append(f"    out[{i}*so] = {printer.doprint(expr)};")
     lines.append("}")
     return "\n".join(lines)

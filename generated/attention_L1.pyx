@@ -8,38 +8,69 @@ from openmp cimport omp_get_max_threads
 cdef extern from *:
     """
     #include <math.h>
-    static void attention_tied_softmax_L1_T2_r1_forward(const double *in, const double *par, double *out)
+    #if defined(SMI_MVEC) && defined(__x86_64__) && defined(__GLIBC__)
+    /* glibc's vector exp and log (libmvec; the build defines SMI_MVEC where it links it): the
+       rows loops vectorise over the samples */
+    #pragma omp declare simd notinbranch
+    double exp(double);
+    #pragma omp declare simd notinbranch
+    double log(double);
+    #endif
+    /* fmax(a, b) as a select (libm's fmax stops the vectoriser) */
+    static inline double smi_fmax(double a, double b) { return a > b || b != b ? a : b; }
+    /* Each kernel NAME_at (codegen.printer) gives NAME, one sample's row, and NAME_rows, n ≤
+       SMI_ROWS consecutive rows: copied into columns, the loop over them (the kernel inlined,
+       unit-stride loads and stores) vectorises, then copied back. */
+    #define SMI_INLINE __attribute__((always_inline))
+    #define SMI_ROWS 32
+    #define SMI_KERNEL(NAME, N_IN, N_OUT) \
+    static void NAME(const double *in, const double *par, double *out) { NAME##_at(in, 1, par, out, 1); } \
+    static void NAME##_rows(const double *in, const double *par, double *out, long n) \
+    { \
+        double a[N_IN * SMI_ROWS], o[N_OUT * SMI_ROWS]; \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_IN; j++) \
+                a[j * SMI_ROWS + i] = in[N_IN * i + j]; \
+        _Pragma("omp simd") \
+        for (long i = 0; i < n; i++) \
+            NAME##_at(a + i, SMI_ROWS, par, o + i, SMI_ROWS); \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_OUT; j++) \
+                out[N_OUT * i + j] = o[j * SMI_ROWS + i]; \
+    }
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        out[0] = sig_7;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = sig_14;
+        out[0*so] = sig_7;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = sig_14;
     }
-    static void attention_tied_softmax_L1_T2_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r1_forward, 2, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -47,7 +78,7 @@ cdef extern from *:
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
         const double p_16 = 2*z_0_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -64,7 +95,7 @@ cdef extern from *:
         const double p_22 = x1;
         const double d_23 = p_15*p_21 + p_22*z_0_1;
         const double d_24 = p_22*z_0_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -81,55 +112,57 @@ cdef extern from *:
         const double p_30 = x4;
         const double d_31 = p_29*z_0_1;
         const double d_32 = p_16*p_30 + p_29*z_0_0;
-        out[0] = sig_7;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = sig_14;
-        out[4] = d_19;
-        out[5] = d_20;
-        out[6] = d_23;
-        out[7] = d_24;
-        out[8] = d_27;
-        out[9] = d_28;
-        out[10] = d_31;
-        out[11] = d_32;
+        out[0*so] = sig_7;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = sig_14;
+        out[4*so] = d_19;
+        out[5*so] = d_20;
+        out[6*so] = d_23;
+        out[7*so] = d_24;
+        out[8*so] = d_27;
+        out[9*so] = d_28;
+        out[10*so] = d_31;
+        out[11*so] = d_32;
     }
-    static void attention_tied_softmax_L1_T2_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r1_jacobian, 2, 12)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
         const double M_1 = z_0_0*z_0_1 + z_1_0*z_1_1;
         const double M_2 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
         const double w_12 = (1.0/(e_10 + e_11));
         const double sig_13 = e_10*w_12;
         const double sig_14 = e_11*w_12;
-        out[0] = sig_7;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = sig_14;
+        out[0*so] = sig_7;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = sig_14;
     }
-    static void attention_tied_softmax_L1_T2_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r2_forward, 4, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -139,7 +172,7 @@ cdef extern from *:
         const double M_2 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
         const double p_17 = 2*z_0_1;
         const double p_18 = 2*z_1_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -160,7 +193,7 @@ cdef extern from *:
         const double d_28 = p_26*z_0_0;
         const double d_29 = p_16*p_25 + p_26*z_1_1;
         const double d_30 = p_26*z_1_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -181,32 +214,33 @@ cdef extern from *:
         const double d_40 = p_17*p_38 + p_37*z_0_0;
         const double d_41 = p_37*z_1_1;
         const double d_42 = p_18*p_38 + p_37*z_1_0;
-        out[0] = sig_7;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = sig_14;
-        out[4] = d_21;
-        out[5] = d_22;
-        out[6] = d_23;
-        out[7] = d_24;
-        out[8] = d_27;
-        out[9] = d_28;
-        out[10] = d_29;
-        out[11] = d_30;
-        out[12] = d_33;
-        out[13] = d_34;
-        out[14] = d_35;
-        out[15] = d_36;
-        out[16] = d_39;
-        out[17] = d_40;
-        out[18] = d_41;
-        out[19] = d_42;
+        out[0*so] = sig_7;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = sig_14;
+        out[4*so] = d_21;
+        out[5*so] = d_22;
+        out[6*so] = d_23;
+        out[7*so] = d_24;
+        out[8*so] = d_27;
+        out[9*so] = d_28;
+        out[10*so] = d_29;
+        out[11*so] = d_30;
+        out[12*so] = d_33;
+        out[13*so] = d_34;
+        out[14*so] = d_35;
+        out[15*so] = d_36;
+        out[16*so] = d_39;
+        out[17*so] = d_40;
+        out[18*so] = d_41;
+        out[19*so] = d_42;
     }
-    static void attention_tied_softmax_L1_T3_r1_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r2_jacobian, 4, 20)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T3_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -215,7 +249,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1);
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -224,7 +258,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -233,7 +267,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -242,21 +276,22 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        out[0] = sig_11;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = sig_20;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = sig_29;
+        out[0*so] = sig_11;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = sig_20;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = sig_29;
     }
-    static void attention_tied_softmax_L1_T3_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T3_r1_forward, 3, 9)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T3_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -268,7 +303,7 @@ cdef extern from *:
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
         const double p_32 = 2*z_0_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -302,7 +337,7 @@ cdef extern from *:
         const double d_48 = p_30*p_45 + p_46*z_0_1 + p_47*z_0_2;
         const double d_49 = p_46*z_0_0;
         const double d_50 = p_47*z_0_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -336,7 +371,7 @@ cdef extern from *:
         const double d_66 = p_63*z_0_1;
         const double d_67 = p_31*p_64 + p_63*z_0_0 + p_65*z_0_2;
         const double d_68 = p_65*z_0_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -370,51 +405,52 @@ cdef extern from *:
         const double d_84 = p_81*z_0_2;
         const double d_85 = p_82*z_0_2;
         const double d_86 = p_32*p_83 + p_81*z_0_0 + p_82*z_0_1;
-        out[0] = sig_11;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = sig_20;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = sig_29;
-        out[9] = d_36;
-        out[10] = d_37;
-        out[11] = d_38;
-        out[12] = d_42;
-        out[13] = d_43;
-        out[14] = d_44;
-        out[15] = d_48;
-        out[16] = d_49;
-        out[17] = d_50;
-        out[18] = d_54;
-        out[19] = d_55;
-        out[20] = d_56;
-        out[21] = d_60;
-        out[22] = d_61;
-        out[23] = d_62;
-        out[24] = d_66;
-        out[25] = d_67;
-        out[26] = d_68;
-        out[27] = d_72;
-        out[28] = d_73;
-        out[29] = d_74;
-        out[30] = d_78;
-        out[31] = d_79;
-        out[32] = d_80;
-        out[33] = d_84;
-        out[34] = d_85;
-        out[35] = d_86;
+        out[0*so] = sig_11;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = sig_20;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = sig_29;
+        out[9*so] = d_36;
+        out[10*so] = d_37;
+        out[11*so] = d_38;
+        out[12*so] = d_42;
+        out[13*so] = d_43;
+        out[14*so] = d_44;
+        out[15*so] = d_48;
+        out[16*so] = d_49;
+        out[17*so] = d_50;
+        out[18*so] = d_54;
+        out[19*so] = d_55;
+        out[20*so] = d_56;
+        out[21*so] = d_60;
+        out[22*so] = d_61;
+        out[23*so] = d_62;
+        out[24*so] = d_66;
+        out[25*so] = d_67;
+        out[26*so] = d_68;
+        out[27*so] = d_72;
+        out[28*so] = d_73;
+        out[29*so] = d_74;
+        out[30*so] = d_78;
+        out[31*so] = d_79;
+        out[32*so] = d_80;
+        out[33*so] = d_84;
+        out[34*so] = d_85;
+        out[35*so] = d_86;
     }
-    static void attention_tied_softmax_L1_T3_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T3_r1_jacobian, 3, 36)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T3_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -423,7 +459,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
         const double M_4 = z_0_1*z_0_2 + z_1_1*z_1_2;
         const double M_5 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -432,7 +468,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -441,7 +477,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -450,24 +486,25 @@ cdef extern from *:
         const double sig_27 = e_23*w_26;
         const double sig_28 = e_24*w_26;
         const double sig_29 = e_25*w_26;
-        out[0] = sig_11;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = sig_20;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = sig_29;
+        out[0*so] = sig_11;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = sig_20;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = sig_29;
     }
-    static void attention_tied_softmax_L1_T3_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T3_r2_forward, 6, 9)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T3_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -482,7 +519,7 @@ cdef extern from *:
         const double M_5 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
         const double p_34 = 2*z_0_2;
         const double p_35 = 2*z_1_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -525,7 +562,7 @@ cdef extern from *:
         const double d_60 = p_31*p_54 + p_55*z_1_1 + p_56*z_1_2;
         const double d_61 = p_55*z_1_0;
         const double d_62 = p_56*z_1_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -568,7 +605,7 @@ cdef extern from *:
         const double d_87 = p_81*z_1_1;
         const double d_88 = p_33*p_82 + p_81*z_1_0 + p_83*z_1_2;
         const double d_89 = p_83*z_1_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -611,76 +648,77 @@ cdef extern from *:
         const double d_114 = p_108*z_1_2;
         const double d_115 = p_109*z_1_2;
         const double d_116 = p_108*z_1_0 + p_109*z_1_1 + p_110*p_35;
-        out[0] = sig_11;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = sig_20;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = sig_29;
-        out[9] = d_39;
-        out[10] = d_40;
-        out[11] = d_41;
-        out[12] = d_42;
-        out[13] = d_43;
-        out[14] = d_44;
-        out[15] = d_48;
-        out[16] = d_49;
-        out[17] = d_50;
-        out[18] = d_51;
-        out[19] = d_52;
-        out[20] = d_53;
-        out[21] = d_57;
-        out[22] = d_58;
-        out[23] = d_59;
-        out[24] = d_60;
-        out[25] = d_61;
-        out[26] = d_62;
-        out[27] = d_66;
-        out[28] = d_67;
-        out[29] = d_68;
-        out[30] = d_69;
-        out[31] = d_70;
-        out[32] = d_71;
-        out[33] = d_75;
-        out[34] = d_76;
-        out[35] = d_77;
-        out[36] = d_78;
-        out[37] = d_79;
-        out[38] = d_80;
-        out[39] = d_84;
-        out[40] = d_85;
-        out[41] = d_86;
-        out[42] = d_87;
-        out[43] = d_88;
-        out[44] = d_89;
-        out[45] = d_93;
-        out[46] = d_94;
-        out[47] = d_95;
-        out[48] = d_96;
-        out[49] = d_97;
-        out[50] = d_98;
-        out[51] = d_102;
-        out[52] = d_103;
-        out[53] = d_104;
-        out[54] = d_105;
-        out[55] = d_106;
-        out[56] = d_107;
-        out[57] = d_111;
-        out[58] = d_112;
-        out[59] = d_113;
-        out[60] = d_114;
-        out[61] = d_115;
-        out[62] = d_116;
+        out[0*so] = sig_11;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = sig_20;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = sig_29;
+        out[9*so] = d_39;
+        out[10*so] = d_40;
+        out[11*so] = d_41;
+        out[12*so] = d_42;
+        out[13*so] = d_43;
+        out[14*so] = d_44;
+        out[15*so] = d_48;
+        out[16*so] = d_49;
+        out[17*so] = d_50;
+        out[18*so] = d_51;
+        out[19*so] = d_52;
+        out[20*so] = d_53;
+        out[21*so] = d_57;
+        out[22*so] = d_58;
+        out[23*so] = d_59;
+        out[24*so] = d_60;
+        out[25*so] = d_61;
+        out[26*so] = d_62;
+        out[27*so] = d_66;
+        out[28*so] = d_67;
+        out[29*so] = d_68;
+        out[30*so] = d_69;
+        out[31*so] = d_70;
+        out[32*so] = d_71;
+        out[33*so] = d_75;
+        out[34*so] = d_76;
+        out[35*so] = d_77;
+        out[36*so] = d_78;
+        out[37*so] = d_79;
+        out[38*so] = d_80;
+        out[39*so] = d_84;
+        out[40*so] = d_85;
+        out[41*so] = d_86;
+        out[42*so] = d_87;
+        out[43*so] = d_88;
+        out[44*so] = d_89;
+        out[45*so] = d_93;
+        out[46*so] = d_94;
+        out[47*so] = d_95;
+        out[48*so] = d_96;
+        out[49*so] = d_97;
+        out[50*so] = d_98;
+        out[51*so] = d_102;
+        out[52*so] = d_103;
+        out[53*so] = d_104;
+        out[54*so] = d_105;
+        out[55*so] = d_106;
+        out[56*so] = d_107;
+        out[57*so] = d_111;
+        out[58*so] = d_112;
+        out[59*so] = d_113;
+        out[60*so] = d_114;
+        out[61*so] = d_115;
+        out[62*so] = d_116;
     }
-    static void attention_tied_softmax_L1_T4_r1_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T3_r2_jacobian, 6, 63)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T4_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -693,7 +731,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2);
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -704,7 +742,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -715,7 +753,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -726,7 +764,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -737,29 +775,30 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        out[0] = sig_16;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = sig_27;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = sig_38;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = sig_49;
+        out[0*so] = sig_16;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = sig_27;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = sig_38;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = sig_49;
     }
-    static void attention_tied_softmax_L1_T4_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T4_r1_forward, 4, 16)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T4_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -776,7 +815,7 @@ cdef extern from *:
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
         const double p_53 = 2*z_0_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -832,7 +871,7 @@ cdef extern from *:
         const double d_83 = p_79*z_0_0;
         const double d_84 = p_80*z_0_0;
         const double d_85 = p_81*z_0_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -888,7 +927,7 @@ cdef extern from *:
         const double d_115 = p_110*z_0_0 + p_111*p_51 + p_112*z_0_2 + p_113*z_0_3;
         const double d_116 = p_112*z_0_1;
         const double d_117 = p_113*z_0_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -944,7 +983,7 @@ cdef extern from *:
         const double d_147 = p_143*z_0_2;
         const double d_148 = p_142*z_0_0 + p_143*z_0_1 + p_144*p_52 + p_145*z_0_3;
         const double d_149 = p_145*z_0_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -1000,97 +1039,98 @@ cdef extern from *:
         const double d_179 = p_175*z_0_3;
         const double d_180 = p_176*z_0_3;
         const double d_181 = p_174*z_0_0 + p_175*z_0_1 + p_176*z_0_2 + p_177*p_53;
-        out[0] = sig_16;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = sig_27;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = sig_38;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = sig_49;
-        out[16] = d_58;
-        out[17] = d_59;
-        out[18] = d_60;
-        out[19] = d_61;
-        out[20] = d_66;
-        out[21] = d_67;
-        out[22] = d_68;
-        out[23] = d_69;
-        out[24] = d_74;
-        out[25] = d_75;
-        out[26] = d_76;
-        out[27] = d_77;
-        out[28] = d_82;
-        out[29] = d_83;
-        out[30] = d_84;
-        out[31] = d_85;
-        out[32] = d_90;
-        out[33] = d_91;
-        out[34] = d_92;
-        out[35] = d_93;
-        out[36] = d_98;
-        out[37] = d_99;
-        out[38] = d_100;
-        out[39] = d_101;
-        out[40] = d_106;
-        out[41] = d_107;
-        out[42] = d_108;
-        out[43] = d_109;
-        out[44] = d_114;
-        out[45] = d_115;
-        out[46] = d_116;
-        out[47] = d_117;
-        out[48] = d_122;
-        out[49] = d_123;
-        out[50] = d_124;
-        out[51] = d_125;
-        out[52] = d_130;
-        out[53] = d_131;
-        out[54] = d_132;
-        out[55] = d_133;
-        out[56] = d_138;
-        out[57] = d_139;
-        out[58] = d_140;
-        out[59] = d_141;
-        out[60] = d_146;
-        out[61] = d_147;
-        out[62] = d_148;
-        out[63] = d_149;
-        out[64] = d_154;
-        out[65] = d_155;
-        out[66] = d_156;
-        out[67] = d_157;
-        out[68] = d_162;
-        out[69] = d_163;
-        out[70] = d_164;
-        out[71] = d_165;
-        out[72] = d_170;
-        out[73] = d_171;
-        out[74] = d_172;
-        out[75] = d_173;
-        out[76] = d_178;
-        out[77] = d_179;
-        out[78] = d_180;
-        out[79] = d_181;
+        out[0*so] = sig_16;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = sig_27;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = sig_38;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = sig_49;
+        out[16*so] = d_58;
+        out[17*so] = d_59;
+        out[18*so] = d_60;
+        out[19*so] = d_61;
+        out[20*so] = d_66;
+        out[21*so] = d_67;
+        out[22*so] = d_68;
+        out[23*so] = d_69;
+        out[24*so] = d_74;
+        out[25*so] = d_75;
+        out[26*so] = d_76;
+        out[27*so] = d_77;
+        out[28*so] = d_82;
+        out[29*so] = d_83;
+        out[30*so] = d_84;
+        out[31*so] = d_85;
+        out[32*so] = d_90;
+        out[33*so] = d_91;
+        out[34*so] = d_92;
+        out[35*so] = d_93;
+        out[36*so] = d_98;
+        out[37*so] = d_99;
+        out[38*so] = d_100;
+        out[39*so] = d_101;
+        out[40*so] = d_106;
+        out[41*so] = d_107;
+        out[42*so] = d_108;
+        out[43*so] = d_109;
+        out[44*so] = d_114;
+        out[45*so] = d_115;
+        out[46*so] = d_116;
+        out[47*so] = d_117;
+        out[48*so] = d_122;
+        out[49*so] = d_123;
+        out[50*so] = d_124;
+        out[51*so] = d_125;
+        out[52*so] = d_130;
+        out[53*so] = d_131;
+        out[54*so] = d_132;
+        out[55*so] = d_133;
+        out[56*so] = d_138;
+        out[57*so] = d_139;
+        out[58*so] = d_140;
+        out[59*so] = d_141;
+        out[60*so] = d_146;
+        out[61*so] = d_147;
+        out[62*so] = d_148;
+        out[63*so] = d_149;
+        out[64*so] = d_154;
+        out[65*so] = d_155;
+        out[66*so] = d_156;
+        out[67*so] = d_157;
+        out[68*so] = d_162;
+        out[69*so] = d_163;
+        out[70*so] = d_164;
+        out[71*so] = d_165;
+        out[72*so] = d_170;
+        out[73*so] = d_171;
+        out[74*so] = d_172;
+        out[75*so] = d_173;
+        out[76*so] = d_178;
+        out[77*so] = d_179;
+        out[78*so] = d_180;
+        out[79*so] = d_181;
     }
-    static void attention_tied_softmax_L1_T4_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T4_r1_jacobian, 4, 80)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T4_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -1103,7 +1143,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
         const double M_8 = z_0_2*z_0_3 + z_1_2*z_1_3;
         const double M_9 = (z_0_3*z_0_3) + (z_1_3*z_1_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -1114,7 +1154,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -1125,7 +1165,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -1136,7 +1176,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -1147,33 +1187,34 @@ cdef extern from *:
         const double sig_47 = e_42*w_45;
         const double sig_48 = e_43*w_45;
         const double sig_49 = e_44*w_45;
-        out[0] = sig_16;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = sig_27;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = sig_38;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = sig_49;
+        out[0*so] = sig_16;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = sig_27;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = sig_38;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = sig_49;
     }
-    static void attention_tied_softmax_L1_T4_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T4_r2_forward, 8, 16)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T4_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -1194,7 +1235,7 @@ cdef extern from *:
         const double M_9 = (z_0_3*z_0_3) + (z_1_3*z_1_3);
         const double p_56 = 2*z_0_3;
         const double p_57 = 2*z_1_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -1266,7 +1307,7 @@ cdef extern from *:
         const double d_103 = p_95*z_1_0;
         const double d_104 = p_96*z_1_0;
         const double d_105 = p_97*z_1_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -1338,7 +1379,7 @@ cdef extern from *:
         const double d_151 = p_142*z_1_0 + p_143*p_53 + p_144*z_1_2 + p_145*z_1_3;
         const double d_152 = p_144*z_1_1;
         const double d_153 = p_145*z_1_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -1410,7 +1451,7 @@ cdef extern from *:
         const double d_199 = p_191*z_1_2;
         const double d_200 = p_190*z_1_0 + p_191*z_1_1 + p_192*p_55 + p_193*z_1_3;
         const double d_201 = p_193*z_1_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -1482,178 +1523,197 @@ cdef extern from *:
         const double d_247 = p_239*z_1_3;
         const double d_248 = p_240*z_1_3;
         const double d_249 = p_238*z_1_0 + p_239*z_1_1 + p_240*z_1_2 + p_241*p_57;
-        out[0] = sig_16;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = sig_27;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = sig_38;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = sig_49;
-        out[16] = d_62;
-        out[17] = d_63;
-        out[18] = d_64;
-        out[19] = d_65;
-        out[20] = d_66;
-        out[21] = d_67;
-        out[22] = d_68;
-        out[23] = d_69;
-        out[24] = d_74;
-        out[25] = d_75;
-        out[26] = d_76;
-        out[27] = d_77;
-        out[28] = d_78;
-        out[29] = d_79;
-        out[30] = d_80;
-        out[31] = d_81;
-        out[32] = d_86;
-        out[33] = d_87;
-        out[34] = d_88;
-        out[35] = d_89;
-        out[36] = d_90;
-        out[37] = d_91;
-        out[38] = d_92;
-        out[39] = d_93;
-        out[40] = d_98;
-        out[41] = d_99;
-        out[42] = d_100;
-        out[43] = d_101;
-        out[44] = d_102;
-        out[45] = d_103;
-        out[46] = d_104;
-        out[47] = d_105;
-        out[48] = d_110;
-        out[49] = d_111;
-        out[50] = d_112;
-        out[51] = d_113;
-        out[52] = d_114;
-        out[53] = d_115;
-        out[54] = d_116;
-        out[55] = d_117;
-        out[56] = d_122;
-        out[57] = d_123;
-        out[58] = d_124;
-        out[59] = d_125;
-        out[60] = d_126;
-        out[61] = d_127;
-        out[62] = d_128;
-        out[63] = d_129;
-        out[64] = d_134;
-        out[65] = d_135;
-        out[66] = d_136;
-        out[67] = d_137;
-        out[68] = d_138;
-        out[69] = d_139;
-        out[70] = d_140;
-        out[71] = d_141;
-        out[72] = d_146;
-        out[73] = d_147;
-        out[74] = d_148;
-        out[75] = d_149;
-        out[76] = d_150;
-        out[77] = d_151;
-        out[78] = d_152;
-        out[79] = d_153;
-        out[80] = d_158;
-        out[81] = d_159;
-        out[82] = d_160;
-        out[83] = d_161;
-        out[84] = d_162;
-        out[85] = d_163;
-        out[86] = d_164;
-        out[87] = d_165;
-        out[88] = d_170;
-        out[89] = d_171;
-        out[90] = d_172;
-        out[91] = d_173;
-        out[92] = d_174;
-        out[93] = d_175;
-        out[94] = d_176;
-        out[95] = d_177;
-        out[96] = d_182;
-        out[97] = d_183;
-        out[98] = d_184;
-        out[99] = d_185;
-        out[100] = d_186;
-        out[101] = d_187;
-        out[102] = d_188;
-        out[103] = d_189;
-        out[104] = d_194;
-        out[105] = d_195;
-        out[106] = d_196;
-        out[107] = d_197;
-        out[108] = d_198;
-        out[109] = d_199;
-        out[110] = d_200;
-        out[111] = d_201;
-        out[112] = d_206;
-        out[113] = d_207;
-        out[114] = d_208;
-        out[115] = d_209;
-        out[116] = d_210;
-        out[117] = d_211;
-        out[118] = d_212;
-        out[119] = d_213;
-        out[120] = d_218;
-        out[121] = d_219;
-        out[122] = d_220;
-        out[123] = d_221;
-        out[124] = d_222;
-        out[125] = d_223;
-        out[126] = d_224;
-        out[127] = d_225;
-        out[128] = d_230;
-        out[129] = d_231;
-        out[130] = d_232;
-        out[131] = d_233;
-        out[132] = d_234;
-        out[133] = d_235;
-        out[134] = d_236;
-        out[135] = d_237;
-        out[136] = d_242;
-        out[137] = d_243;
-        out[138] = d_244;
-        out[139] = d_245;
-        out[140] = d_246;
-        out[141] = d_247;
-        out[142] = d_248;
-        out[143] = d_249;
+        out[0*so] = sig_16;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = sig_27;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = sig_38;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = sig_49;
+        out[16*so] = d_62;
+        out[17*so] = d_63;
+        out[18*so] = d_64;
+        out[19*so] = d_65;
+        out[20*so] = d_66;
+        out[21*so] = d_67;
+        out[22*so] = d_68;
+        out[23*so] = d_69;
+        out[24*so] = d_74;
+        out[25*so] = d_75;
+        out[26*so] = d_76;
+        out[27*so] = d_77;
+        out[28*so] = d_78;
+        out[29*so] = d_79;
+        out[30*so] = d_80;
+        out[31*so] = d_81;
+        out[32*so] = d_86;
+        out[33*so] = d_87;
+        out[34*so] = d_88;
+        out[35*so] = d_89;
+        out[36*so] = d_90;
+        out[37*so] = d_91;
+        out[38*so] = d_92;
+        out[39*so] = d_93;
+        out[40*so] = d_98;
+        out[41*so] = d_99;
+        out[42*so] = d_100;
+        out[43*so] = d_101;
+        out[44*so] = d_102;
+        out[45*so] = d_103;
+        out[46*so] = d_104;
+        out[47*so] = d_105;
+        out[48*so] = d_110;
+        out[49*so] = d_111;
+        out[50*so] = d_112;
+        out[51*so] = d_113;
+        out[52*so] = d_114;
+        out[53*so] = d_115;
+        out[54*so] = d_116;
+        out[55*so] = d_117;
+        out[56*so] = d_122;
+        out[57*so] = d_123;
+        out[58*so] = d_124;
+        out[59*so] = d_125;
+        out[60*so] = d_126;
+        out[61*so] = d_127;
+        out[62*so] = d_128;
+        out[63*so] = d_129;
+        out[64*so] = d_134;
+        out[65*so] = d_135;
+        out[66*so] = d_136;
+        out[67*so] = d_137;
+        out[68*so] = d_138;
+        out[69*so] = d_139;
+        out[70*so] = d_140;
+        out[71*so] = d_141;
+        out[72*so] = d_146;
+        out[73*so] = d_147;
+        out[74*so] = d_148;
+        out[75*so] = d_149;
+        out[76*so] = d_150;
+        out[77*so] = d_151;
+        out[78*so] = d_152;
+        out[79*so] = d_153;
+        out[80*so] = d_158;
+        out[81*so] = d_159;
+        out[82*so] = d_160;
+        out[83*so] = d_161;
+        out[84*so] = d_162;
+        out[85*so] = d_163;
+        out[86*so] = d_164;
+        out[87*so] = d_165;
+        out[88*so] = d_170;
+        out[89*so] = d_171;
+        out[90*so] = d_172;
+        out[91*so] = d_173;
+        out[92*so] = d_174;
+        out[93*so] = d_175;
+        out[94*so] = d_176;
+        out[95*so] = d_177;
+        out[96*so] = d_182;
+        out[97*so] = d_183;
+        out[98*so] = d_184;
+        out[99*so] = d_185;
+        out[100*so] = d_186;
+        out[101*so] = d_187;
+        out[102*so] = d_188;
+        out[103*so] = d_189;
+        out[104*so] = d_194;
+        out[105*so] = d_195;
+        out[106*so] = d_196;
+        out[107*so] = d_197;
+        out[108*so] = d_198;
+        out[109*so] = d_199;
+        out[110*so] = d_200;
+        out[111*so] = d_201;
+        out[112*so] = d_206;
+        out[113*so] = d_207;
+        out[114*so] = d_208;
+        out[115*so] = d_209;
+        out[116*so] = d_210;
+        out[117*so] = d_211;
+        out[118*so] = d_212;
+        out[119*so] = d_213;
+        out[120*so] = d_218;
+        out[121*so] = d_219;
+        out[122*so] = d_220;
+        out[123*so] = d_221;
+        out[124*so] = d_222;
+        out[125*so] = d_223;
+        out[126*so] = d_224;
+        out[127*so] = d_225;
+        out[128*so] = d_230;
+        out[129*so] = d_231;
+        out[130*so] = d_232;
+        out[131*so] = d_233;
+        out[132*so] = d_234;
+        out[133*so] = d_235;
+        out[134*so] = d_236;
+        out[135*so] = d_237;
+        out[136*so] = d_242;
+        out[137*so] = d_243;
+        out[138*so] = d_244;
+        out[139*so] = d_245;
+        out[140*so] = d_246;
+        out[141*so] = d_247;
+        out[142*so] = d_248;
+        out[143*so] = d_249;
     }
+    SMI_KERNEL(attention_tied_softmax_L1_T4_r2_jacobian, 8, 144)
     """
     void attention_tied_softmax_L1_T2_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T2_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T2_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T2_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r2_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T3_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T3_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T3_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T3_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T3_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T3_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T3_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T3_r2_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T4_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T4_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T4_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T4_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T4_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T4_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T4_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T4_r2_jacobian_rows(const double*, const double*, double*, long) nogil
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
+ctypedef void (*rows_t)(const double*, const double*, double*, long) noexcept nogil
+
+cdef extern from *:
+    enum: SMI_ROWS  # samples per call of a rows function (OpenMP shares these blocks)
 
 
 cdef class Kernel:
-    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over i)."""
+    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over blocks of
+    SMI_ROWS samples, each by the kernel's rows function)."""
     cdef kernel_t f
+    cdef rows_t rows
     cdef readonly str name
     cdef readonly int n_in, n_out, n_par
 
     def __call__(self, const double[:, ::1] x, const double[::1] params, double[:, ::1] out,
                  int threads=0):
-        cdef Py_ssize_t i, n = x.shape[0]
-        cdef kernel_t f = self.f
+        cdef Py_ssize_t b, n = x.shape[0]
+        cdef rows_t rows = self.rows
         cdef const double* p = &params[0]
         if x.shape[1] != self.n_in or out.shape[1] != self.n_out or out.shape[0] != n:
             raise ValueError(f"{self.name}: x must be (n, {self.n_in}) and out (n, {self.n_out})")
@@ -1662,8 +1722,8 @@ cdef class Kernel:
         if threads <= 0:
             threads = omp_get_max_threads()
         with nogil:
-            for i in prange(n, num_threads=threads, schedule="static"):
-                f(&x[i, 0], p, &out[i, 0])
+            for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
+                rows(&x[b * SMI_ROWS, 0], p, &out[b * SMI_ROWS, 0], min(SMI_ROWS, n - b * SMI_ROWS))
 
 
     def capsule(self):
@@ -1671,23 +1731,23 @@ cdef class Kernel:
         return PyCapsule_New(<void*>self.f, "smi_kernel", NULL)
 
 
-cdef Kernel _kernel(kernel_t f, str name, int n_in, int n_out, int n_par):
+cdef Kernel _kernel(kernel_t f, rows_t rows, str name, int n_in, int n_out, int n_par):
     cdef Kernel k = Kernel.__new__(Kernel)
-    k.f, k.name, k.n_in, k.n_out, k.n_par = f, name, n_in, n_out, n_par
+    k.f, k.rows, k.name, k.n_in, k.n_out, k.n_par = f, rows, name, n_in, n_out, n_par
     return k
 
 
 KERNELS = {
-    "attention_tied_softmax_L1_T2_r1_forward": _kernel(attention_tied_softmax_L1_T2_r1_forward, "attention_tied_softmax_L1_T2_r1_forward", 2, 4, 2),
-    "attention_tied_softmax_L1_T2_r1_jacobian": _kernel(attention_tied_softmax_L1_T2_r1_jacobian, "attention_tied_softmax_L1_T2_r1_jacobian", 2, 12, 2),
-    "attention_tied_softmax_L1_T2_r2_forward": _kernel(attention_tied_softmax_L1_T2_r2_forward, "attention_tied_softmax_L1_T2_r2_forward", 4, 4, 2),
-    "attention_tied_softmax_L1_T2_r2_jacobian": _kernel(attention_tied_softmax_L1_T2_r2_jacobian, "attention_tied_softmax_L1_T2_r2_jacobian", 4, 20, 2),
-    "attention_tied_softmax_L1_T3_r1_forward": _kernel(attention_tied_softmax_L1_T3_r1_forward, "attention_tied_softmax_L1_T3_r1_forward", 3, 9, 2),
-    "attention_tied_softmax_L1_T3_r1_jacobian": _kernel(attention_tied_softmax_L1_T3_r1_jacobian, "attention_tied_softmax_L1_T3_r1_jacobian", 3, 36, 2),
-    "attention_tied_softmax_L1_T3_r2_forward": _kernel(attention_tied_softmax_L1_T3_r2_forward, "attention_tied_softmax_L1_T3_r2_forward", 6, 9, 2),
-    "attention_tied_softmax_L1_T3_r2_jacobian": _kernel(attention_tied_softmax_L1_T3_r2_jacobian, "attention_tied_softmax_L1_T3_r2_jacobian", 6, 63, 2),
-    "attention_tied_softmax_L1_T4_r1_forward": _kernel(attention_tied_softmax_L1_T4_r1_forward, "attention_tied_softmax_L1_T4_r1_forward", 4, 16, 2),
-    "attention_tied_softmax_L1_T4_r1_jacobian": _kernel(attention_tied_softmax_L1_T4_r1_jacobian, "attention_tied_softmax_L1_T4_r1_jacobian", 4, 80, 2),
-    "attention_tied_softmax_L1_T4_r2_forward": _kernel(attention_tied_softmax_L1_T4_r2_forward, "attention_tied_softmax_L1_T4_r2_forward", 8, 16, 2),
-    "attention_tied_softmax_L1_T4_r2_jacobian": _kernel(attention_tied_softmax_L1_T4_r2_jacobian, "attention_tied_softmax_L1_T4_r2_jacobian", 8, 144, 2),
+    "attention_tied_softmax_L1_T2_r1_forward": _kernel(attention_tied_softmax_L1_T2_r1_forward, attention_tied_softmax_L1_T2_r1_forward_rows, "attention_tied_softmax_L1_T2_r1_forward", 2, 4, 2),
+    "attention_tied_softmax_L1_T2_r1_jacobian": _kernel(attention_tied_softmax_L1_T2_r1_jacobian, attention_tied_softmax_L1_T2_r1_jacobian_rows, "attention_tied_softmax_L1_T2_r1_jacobian", 2, 12, 2),
+    "attention_tied_softmax_L1_T2_r2_forward": _kernel(attention_tied_softmax_L1_T2_r2_forward, attention_tied_softmax_L1_T2_r2_forward_rows, "attention_tied_softmax_L1_T2_r2_forward", 4, 4, 2),
+    "attention_tied_softmax_L1_T2_r2_jacobian": _kernel(attention_tied_softmax_L1_T2_r2_jacobian, attention_tied_softmax_L1_T2_r2_jacobian_rows, "attention_tied_softmax_L1_T2_r2_jacobian", 4, 20, 2),
+    "attention_tied_softmax_L1_T3_r1_forward": _kernel(attention_tied_softmax_L1_T3_r1_forward, attention_tied_softmax_L1_T3_r1_forward_rows, "attention_tied_softmax_L1_T3_r1_forward", 3, 9, 2),
+    "attention_tied_softmax_L1_T3_r1_jacobian": _kernel(attention_tied_softmax_L1_T3_r1_jacobian, attention_tied_softmax_L1_T3_r1_jacobian_rows, "attention_tied_softmax_L1_T3_r1_jacobian", 3, 36, 2),
+    "attention_tied_softmax_L1_T3_r2_forward": _kernel(attention_tied_softmax_L1_T3_r2_forward, attention_tied_softmax_L1_T3_r2_forward_rows, "attention_tied_softmax_L1_T3_r2_forward", 6, 9, 2),
+    "attention_tied_softmax_L1_T3_r2_jacobian": _kernel(attention_tied_softmax_L1_T3_r2_jacobian, attention_tied_softmax_L1_T3_r2_jacobian_rows, "attention_tied_softmax_L1_T3_r2_jacobian", 6, 63, 2),
+    "attention_tied_softmax_L1_T4_r1_forward": _kernel(attention_tied_softmax_L1_T4_r1_forward, attention_tied_softmax_L1_T4_r1_forward_rows, "attention_tied_softmax_L1_T4_r1_forward", 4, 16, 2),
+    "attention_tied_softmax_L1_T4_r1_jacobian": _kernel(attention_tied_softmax_L1_T4_r1_jacobian, attention_tied_softmax_L1_T4_r1_jacobian_rows, "attention_tied_softmax_L1_T4_r1_jacobian", 4, 80, 2),
+    "attention_tied_softmax_L1_T4_r2_forward": _kernel(attention_tied_softmax_L1_T4_r2_forward, attention_tied_softmax_L1_T4_r2_forward_rows, "attention_tied_softmax_L1_T4_r2_forward", 8, 16, 2),
+    "attention_tied_softmax_L1_T4_r2_jacobian": _kernel(attention_tied_softmax_L1_T4_r2_jacobian, attention_tied_softmax_L1_T4_r2_jacobian_rows, "attention_tied_softmax_L1_T4_r2_jacobian", 8, 144, 2),
 }

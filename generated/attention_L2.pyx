@@ -8,25 +8,55 @@ from openmp cimport omp_get_max_threads
 cdef extern from *:
     """
     #include <math.h>
-    static void attention_tied_softmax_L2_T2_r1_forward(const double *in, const double *par, double *out)
+    #if defined(SMI_MVEC) && defined(__x86_64__) && defined(__GLIBC__)
+    /* glibc's vector exp and log (libmvec; the build defines SMI_MVEC where it links it): the
+       rows loops vectorise over the samples */
+    #pragma omp declare simd notinbranch
+    double exp(double);
+    #pragma omp declare simd notinbranch
+    double log(double);
+    #endif
+    /* fmax(a, b) as a select (libm's fmax stops the vectoriser) */
+    static inline double smi_fmax(double a, double b) { return a > b || b != b ? a : b; }
+    /* Each kernel NAME_at (codegen.printer) gives NAME, one sample's row, and NAME_rows, n ≤
+       SMI_ROWS consecutive rows: copied into columns, the loop over them (the kernel inlined,
+       unit-stride loads and stores) vectorises, then copied back. */
+    #define SMI_INLINE __attribute__((always_inline))
+    #define SMI_ROWS 32
+    #define SMI_KERNEL(NAME, N_IN, N_OUT) \
+    static void NAME(const double *in, const double *par, double *out) { NAME##_at(in, 1, par, out, 1); } \
+    static void NAME##_rows(const double *in, const double *par, double *out, long n) \
+    { \
+        double a[N_IN * SMI_ROWS], o[N_OUT * SMI_ROWS]; \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_IN; j++) \
+                a[j * SMI_ROWS + i] = in[N_IN * i + j]; \
+        _Pragma("omp simd") \
+        for (long i = 0; i < n; i++) \
+            NAME##_at(a + i, SMI_ROWS, par, o + i, SMI_ROWS); \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_OUT; j++) \
+                out[N_OUT * i + j] = o[j * SMI_ROWS + i]; \
+    }
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -40,31 +70,32 @@ cdef extern from *:
         const double M_19 = (u_17*u_17);
         const double M_20 = u_17*u_18;
         const double M_21 = (u_18*u_18);
-        const double m_22 = fmax(M_19, M_20);
+        const double m_22 = smi_fmax(M_19, M_20);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_19 + x2));
         const double e_24 = exp(beta*(M_20 + x2));
         const double w_25 = (1.0/(e_23 + e_24));
         const double sig_26 = e_23*w_25;
         const double sig_27 = e_24*w_25;
-        const double m_28 = fmax(M_20, M_21);
+        const double m_28 = smi_fmax(M_20, M_21);
         const double x3 = -m_28;
         const double e_29 = exp(beta*(M_20 + x3));
         const double e_30 = exp(beta*(M_21 + x3));
         const double w_31 = (1.0/(e_29 + e_30));
         const double sig_32 = e_29*w_31;
         const double sig_33 = e_30*w_31;
-        out[0] = sig_26;
-        out[1] = sig_27;
-        out[2] = sig_32;
-        out[3] = sig_33;
+        out[0*so] = sig_26;
+        out[1*so] = sig_27;
+        out[2*so] = sig_32;
+        out[3*so] = sig_33;
     }
-    static void attention_tied_softmax_L2_T2_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_forward, 4, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -72,7 +103,7 @@ cdef extern from *:
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
         const double p_35 = 2*z_0_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -89,7 +120,7 @@ cdef extern from *:
         const double p_41 = x1;
         const double d_42 = p_34*p_40 + p_41*z_0_1;
         const double d_43 = p_41*z_0_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -131,7 +162,7 @@ cdef extern from *:
         const double d_67 = d_55*p_65;
         const double d_68 = p_65*sig_13;
         const double d_69 = Phi_16*p_65;
-        const double m_22 = fmax(M_19, M_20);
+        const double m_22 = smi_fmax(M_19, M_20);
         const double x6 = -m_22;
         const double e_23 = exp(beta*(M_19 + x6));
         const double e_24 = exp(beta*(M_20 + x6));
@@ -152,7 +183,7 @@ cdef extern from *:
         const double d_79 = d_58*p_76 + d_62*p_77;
         const double d_80 = d_59*p_76 + d_63*p_77;
         const double d_81 = d_60*p_76 + d_64*p_77;
-        const double m_28 = fmax(M_20, M_21);
+        const double m_28 = smi_fmax(M_20, M_21);
         const double x9 = -m_28;
         const double e_29 = exp(beta*(M_20 + x9));
         const double e_30 = exp(beta*(M_21 + x9));
@@ -173,44 +204,45 @@ cdef extern from *:
         const double d_91 = d_62*p_88 + d_67*p_89;
         const double d_92 = d_63*p_88 + d_68*p_89;
         const double d_93 = d_64*p_88 + d_69*p_89;
-        out[0] = sig_26;
-        out[1] = sig_27;
-        out[2] = sig_32;
-        out[3] = sig_33;
-        out[4] = d_72;
-        out[5] = d_73;
-        out[6] = d_74;
-        out[7] = d_75;
-        out[8] = d_78;
-        out[9] = d_79;
-        out[10] = d_80;
-        out[11] = d_81;
-        out[12] = d_84;
-        out[13] = d_85;
-        out[14] = d_86;
-        out[15] = d_87;
-        out[16] = d_90;
-        out[17] = d_91;
-        out[18] = d_92;
-        out[19] = d_93;
+        out[0*so] = sig_26;
+        out[1*so] = sig_27;
+        out[2*so] = sig_32;
+        out[3*so] = sig_33;
+        out[4*so] = d_72;
+        out[5*so] = d_73;
+        out[6*so] = d_74;
+        out[7*so] = d_75;
+        out[8*so] = d_78;
+        out[9*so] = d_79;
+        out[10*so] = d_80;
+        out[11*so] = d_81;
+        out[12*so] = d_84;
+        out[13*so] = d_85;
+        out[14*so] = d_86;
+        out[15*so] = d_87;
+        out[16*so] = d_90;
+        out[17*so] = d_91;
+        out[18*so] = d_92;
+        out[19*so] = d_93;
     }
-    static void attention_tied_softmax_L2_T2_r1_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_jacobian, 4, 20)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -230,35 +262,36 @@ cdef extern from *:
     ));
         const double schur_19 = -mul_18*sig_8 + x3;
         const double ldet_20 = log(fabs(piv_17*schur_19));
-        out[0] = Phi_15;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = Phi_16;
-        out[4] = ldet_20;
+        out[0*so] = Phi_15;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = Phi_16;
+        out[4*so] = ldet_20;
     }
-    static void attention_tied_softmax_L2_T2_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_mixing, 2, 5)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
-        const double z_2_0 = in[4];
-        const double z_2_1 = in[5];
-        const double z_3_0 = in[6];
-        const double z_3_1 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
+        const double z_2_0 = in[4*si];
+        const double z_2_1 = in[5*si];
+        const double z_3_0 = in[6*si];
+        const double z_3_1 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
         const double M_1 = z_0_0*z_0_1 + z_1_0*z_1_1;
         const double M_2 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -274,35 +307,36 @@ cdef extern from *:
         const double M_21 = (u_17*u_17) + (u_18*u_18);
         const double M_22 = u_17*u_19 + u_18*u_20;
         const double M_23 = (u_19*u_19) + (u_20*u_20);
-        const double m_24 = fmax(M_21, M_22);
+        const double m_24 = smi_fmax(M_21, M_22);
         const double x2 = -m_24;
         const double e_25 = exp(beta*(M_21 + x2));
         const double e_26 = exp(beta*(M_22 + x2));
         const double w_27 = (1.0/(e_25 + e_26));
         const double sig_28 = e_25*w_27;
         const double sig_29 = e_26*w_27;
-        const double m_30 = fmax(M_22, M_23);
+        const double m_30 = smi_fmax(M_22, M_23);
         const double x3 = -m_30;
         const double e_31 = exp(beta*(M_22 + x3));
         const double e_32 = exp(beta*(M_23 + x3));
         const double w_33 = (1.0/(e_31 + e_32));
         const double sig_34 = e_31*w_33;
         const double sig_35 = e_32*w_33;
-        out[0] = sig_28;
-        out[1] = sig_29;
-        out[2] = sig_34;
-        out[3] = sig_35;
+        out[0*so] = sig_28;
+        out[1*so] = sig_29;
+        out[2*so] = sig_34;
+        out[3*so] = sig_35;
     }
-    static void attention_tied_softmax_L2_T2_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r2_forward, 8, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
-        const double z_2_0 = in[4];
-        const double z_2_1 = in[5];
-        const double z_3_0 = in[6];
-        const double z_3_1 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
+        const double z_2_0 = in[4*si];
+        const double z_2_1 = in[5*si];
+        const double z_3_0 = in[6*si];
+        const double z_3_1 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -312,7 +346,7 @@ cdef extern from *:
         const double M_2 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
         const double p_38 = 2*z_0_1;
         const double p_39 = 2*z_1_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -333,7 +367,7 @@ cdef extern from *:
         const double d_49 = p_47*z_0_0;
         const double d_50 = p_37*p_46 + p_47*z_1_1;
         const double d_51 = p_47*z_1_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -407,7 +441,7 @@ cdef extern from *:
         const double d_105 = Phi_16*p_98;
         const double d_106 = p_99*sig_13;
         const double d_107 = Phi_16*p_99;
-        const double m_24 = fmax(M_21, M_22);
+        const double m_24 = smi_fmax(M_21, M_22);
         const double x6 = -m_24;
         const double e_25 = exp(beta*(M_21 + x6));
         const double e_26 = exp(beta*(M_22 + x6));
@@ -436,7 +470,7 @@ cdef extern from *:
         const double d_125 = d_87*p_118 + d_95*p_119;
         const double d_126 = d_88*p_118 + d_96*p_119;
         const double d_127 = d_89*p_118 + d_97*p_119;
-        const double m_30 = fmax(M_22, M_23);
+        const double m_30 = smi_fmax(M_22, M_23);
         const double x9 = -m_30;
         const double e_31 = exp(beta*(M_22 + x9));
         const double e_32 = exp(beta*(M_23 + x9));
@@ -465,62 +499,63 @@ cdef extern from *:
         const double d_145 = d_105*p_139 + d_95*p_138;
         const double d_146 = d_106*p_139 + d_96*p_138;
         const double d_147 = d_107*p_139 + d_97*p_138;
-        out[0] = sig_28;
-        out[1] = sig_29;
-        out[2] = sig_34;
-        out[3] = sig_35;
-        out[4] = d_110;
-        out[5] = d_111;
-        out[6] = d_112;
-        out[7] = d_113;
-        out[8] = d_114;
-        out[9] = d_115;
-        out[10] = d_116;
-        out[11] = d_117;
-        out[12] = d_120;
-        out[13] = d_121;
-        out[14] = d_122;
-        out[15] = d_123;
-        out[16] = d_124;
-        out[17] = d_125;
-        out[18] = d_126;
-        out[19] = d_127;
-        out[20] = d_130;
-        out[21] = d_131;
-        out[22] = d_132;
-        out[23] = d_133;
-        out[24] = d_134;
-        out[25] = d_135;
-        out[26] = d_136;
-        out[27] = d_137;
-        out[28] = d_140;
-        out[29] = d_141;
-        out[30] = d_142;
-        out[31] = d_143;
-        out[32] = d_144;
-        out[33] = d_145;
-        out[34] = d_146;
-        out[35] = d_147;
+        out[0*so] = sig_28;
+        out[1*so] = sig_29;
+        out[2*so] = sig_34;
+        out[3*so] = sig_35;
+        out[4*so] = d_110;
+        out[5*so] = d_111;
+        out[6*so] = d_112;
+        out[7*so] = d_113;
+        out[8*so] = d_114;
+        out[9*so] = d_115;
+        out[10*so] = d_116;
+        out[11*so] = d_117;
+        out[12*so] = d_120;
+        out[13*so] = d_121;
+        out[14*so] = d_122;
+        out[15*so] = d_123;
+        out[16*so] = d_124;
+        out[17*so] = d_125;
+        out[18*so] = d_126;
+        out[19*so] = d_127;
+        out[20*so] = d_130;
+        out[21*so] = d_131;
+        out[22*so] = d_132;
+        out[23*so] = d_133;
+        out[24*so] = d_134;
+        out[25*so] = d_135;
+        out[26*so] = d_136;
+        out[27*so] = d_137;
+        out[28*so] = d_140;
+        out[29*so] = d_141;
+        out[30*so] = d_142;
+        out[31*so] = d_143;
+        out[32*so] = d_144;
+        out[33*so] = d_145;
+        out[34*so] = d_146;
+        out[35*so] = d_147;
     }
-    static void attention_tied_softmax_L2_T2_r2_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r2_jacobian, 8, 36)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r2_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_1_0 = in[2];
-        const double z_1_1 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_1_0 = in[2*si];
+        const double z_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
         const double M_1 = z_0_0*z_0_1 + z_1_0*z_1_1;
         const double M_2 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -540,20 +575,21 @@ cdef extern from *:
     ));
         const double schur_19 = -mul_18*sig_8 + x3;
         const double ldet_20 = log(fabs(piv_17*schur_19));
-        out[0] = Phi_15;
-        out[1] = sig_8;
-        out[2] = sig_13;
-        out[3] = Phi_16;
-        out[4] = ldet_20;
+        out[0*so] = Phi_15;
+        out[1*so] = sig_8;
+        out[2*so] = sig_13;
+        out[3*so] = Phi_16;
+        out[4*so] = ldet_20;
     }
-    static void attention_tied_softmax_L2_T3_r1_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r2_mixing, 4, 5)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -562,7 +598,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1);
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -571,7 +607,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -580,7 +616,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -601,7 +637,7 @@ cdef extern from *:
         const double M_39 = (u_34*u_34);
         const double M_40 = u_34*u_35;
         const double M_41 = (u_35*u_35);
-        const double m_42 = fmax(M_36, fmax(M_37, M_38));
+        const double m_42 = smi_fmax(smi_fmax(M_36, M_37), M_38);
         const double x3 = -m_42;
         const double e_43 = exp(beta*(M_36 + x3));
         const double e_44 = exp(beta*(M_37 + x3));
@@ -610,7 +646,7 @@ cdef extern from *:
         const double sig_47 = e_43*w_46;
         const double sig_48 = e_44*w_46;
         const double sig_49 = e_45*w_46;
-        const double m_50 = fmax(M_37, fmax(M_39, M_40));
+        const double m_50 = smi_fmax(smi_fmax(M_37, M_39), M_40);
         const double x4 = -m_50;
         const double e_51 = exp(beta*(M_37 + x4));
         const double e_52 = exp(beta*(M_39 + x4));
@@ -619,7 +655,7 @@ cdef extern from *:
         const double sig_55 = e_51*w_54;
         const double sig_56 = e_52*w_54;
         const double sig_57 = e_53*w_54;
-        const double m_58 = fmax(M_38, fmax(M_40, M_41));
+        const double m_58 = smi_fmax(smi_fmax(M_38, M_40), M_41);
         const double x5 = -m_58;
         const double e_59 = exp(beta*(M_38 + x5));
         const double e_60 = exp(beta*(M_40 + x5));
@@ -628,24 +664,25 @@ cdef extern from *:
         const double sig_63 = e_59*w_62;
         const double sig_64 = e_60*w_62;
         const double sig_65 = e_61*w_62;
-        out[0] = sig_47;
-        out[1] = sig_48;
-        out[2] = sig_49;
-        out[3] = sig_55;
-        out[4] = sig_56;
-        out[5] = sig_57;
-        out[6] = sig_63;
-        out[7] = sig_64;
-        out[8] = sig_65;
+        out[0*so] = sig_47;
+        out[1*so] = sig_48;
+        out[2*so] = sig_49;
+        out[3*so] = sig_55;
+        out[4*so] = sig_56;
+        out[5*so] = sig_57;
+        out[6*so] = sig_63;
+        out[7*so] = sig_64;
+        out[8*so] = sig_65;
     }
-    static void attention_tied_softmax_L2_T3_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_forward, 6, 9)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -657,7 +694,7 @@ cdef extern from *:
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
         const double p_68 = 2*z_0_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -691,7 +728,7 @@ cdef extern from *:
         const double d_84 = p_66*p_81 + p_82*z_0_1 + p_83*z_0_2;
         const double d_85 = p_82*z_0_0;
         const double d_86 = p_83*z_0_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -725,7 +762,7 @@ cdef extern from *:
         const double d_102 = p_99*z_0_1;
         const double d_103 = p_100*p_67 + p_101*z_0_2 + p_99*z_0_0;
         const double d_104 = p_101*z_0_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -819,7 +856,7 @@ cdef extern from *:
         const double d_168 = p_164*sig_27;
         const double d_169 = p_164*sig_28;
         const double d_170 = Phi_32*p_164;
-        const double m_42 = fmax(M_36, fmax(M_37, M_38));
+        const double m_42 = smi_fmax(smi_fmax(M_36, M_37), M_38);
         const double x24 = -m_42;
         const double e_43 = exp(beta*(M_36 + x24));
         const double e_44 = exp(beta*(M_37 + x24));
@@ -862,7 +899,7 @@ cdef extern from *:
         const double d_195 = d_136*p_189 + d_142*p_190 + d_148*p_191;
         const double d_196 = d_137*p_189 + d_143*p_190 + d_149*p_191;
         const double d_197 = d_138*p_189 + d_144*p_190 + d_150*p_191;
-        const double m_50 = fmax(M_37, fmax(M_39, M_40));
+        const double m_50 = smi_fmax(smi_fmax(M_37, M_39), M_40);
         const double x32 = -m_50;
         const double e_51 = exp(beta*(M_37 + x32));
         const double e_52 = exp(beta*(M_39 + x32));
@@ -905,7 +942,7 @@ cdef extern from *:
         const double d_222 = d_142*p_216 + d_155*p_217 + d_161*p_218;
         const double d_223 = d_143*p_216 + d_156*p_217 + d_162*p_218;
         const double d_224 = d_144*p_216 + d_157*p_217 + d_163*p_218;
-        const double m_58 = fmax(M_38, fmax(M_40, M_41));
+        const double m_58 = smi_fmax(smi_fmax(M_38, M_40), M_41);
         const double x40 = -m_58;
         const double e_59 = exp(beta*(M_38 + x40));
         const double e_60 = exp(beta*(M_40 + x40));
@@ -948,75 +985,76 @@ cdef extern from *:
         const double d_249 = d_148*p_243 + d_161*p_244 + d_168*p_245;
         const double d_250 = d_149*p_243 + d_162*p_244 + d_169*p_245;
         const double d_251 = d_150*p_243 + d_163*p_244 + d_170*p_245;
-        out[0] = sig_47;
-        out[1] = sig_48;
-        out[2] = sig_49;
-        out[3] = sig_55;
-        out[4] = sig_56;
-        out[5] = sig_57;
-        out[6] = sig_63;
-        out[7] = sig_64;
-        out[8] = sig_65;
-        out[9] = d_174;
-        out[10] = d_175;
-        out[11] = d_176;
-        out[12] = d_177;
-        out[13] = d_178;
-        out[14] = d_179;
-        out[15] = d_183;
-        out[16] = d_184;
-        out[17] = d_185;
-        out[18] = d_186;
-        out[19] = d_187;
-        out[20] = d_188;
-        out[21] = d_192;
-        out[22] = d_193;
-        out[23] = d_194;
-        out[24] = d_195;
-        out[25] = d_196;
-        out[26] = d_197;
-        out[27] = d_201;
-        out[28] = d_202;
-        out[29] = d_203;
-        out[30] = d_204;
-        out[31] = d_205;
-        out[32] = d_206;
-        out[33] = d_210;
-        out[34] = d_211;
-        out[35] = d_212;
-        out[36] = d_213;
-        out[37] = d_214;
-        out[38] = d_215;
-        out[39] = d_219;
-        out[40] = d_220;
-        out[41] = d_221;
-        out[42] = d_222;
-        out[43] = d_223;
-        out[44] = d_224;
-        out[45] = d_228;
-        out[46] = d_229;
-        out[47] = d_230;
-        out[48] = d_231;
-        out[49] = d_232;
-        out[50] = d_233;
-        out[51] = d_237;
-        out[52] = d_238;
-        out[53] = d_239;
-        out[54] = d_240;
-        out[55] = d_241;
-        out[56] = d_242;
-        out[57] = d_246;
-        out[58] = d_247;
-        out[59] = d_248;
-        out[60] = d_249;
-        out[61] = d_250;
-        out[62] = d_251;
+        out[0*so] = sig_47;
+        out[1*so] = sig_48;
+        out[2*so] = sig_49;
+        out[3*so] = sig_55;
+        out[4*so] = sig_56;
+        out[5*so] = sig_57;
+        out[6*so] = sig_63;
+        out[7*so] = sig_64;
+        out[8*so] = sig_65;
+        out[9*so] = d_174;
+        out[10*so] = d_175;
+        out[11*so] = d_176;
+        out[12*so] = d_177;
+        out[13*so] = d_178;
+        out[14*so] = d_179;
+        out[15*so] = d_183;
+        out[16*so] = d_184;
+        out[17*so] = d_185;
+        out[18*so] = d_186;
+        out[19*so] = d_187;
+        out[20*so] = d_188;
+        out[21*so] = d_192;
+        out[22*so] = d_193;
+        out[23*so] = d_194;
+        out[24*so] = d_195;
+        out[25*so] = d_196;
+        out[26*so] = d_197;
+        out[27*so] = d_201;
+        out[28*so] = d_202;
+        out[29*so] = d_203;
+        out[30*so] = d_204;
+        out[31*so] = d_205;
+        out[32*so] = d_206;
+        out[33*so] = d_210;
+        out[34*so] = d_211;
+        out[35*so] = d_212;
+        out[36*so] = d_213;
+        out[37*so] = d_214;
+        out[38*so] = d_215;
+        out[39*so] = d_219;
+        out[40*so] = d_220;
+        out[41*so] = d_221;
+        out[42*so] = d_222;
+        out[43*so] = d_223;
+        out[44*so] = d_224;
+        out[45*so] = d_228;
+        out[46*so] = d_229;
+        out[47*so] = d_230;
+        out[48*so] = d_231;
+        out[49*so] = d_232;
+        out[50*so] = d_233;
+        out[51*so] = d_237;
+        out[52*so] = d_238;
+        out[53*so] = d_239;
+        out[54*so] = d_240;
+        out[55*so] = d_241;
+        out[56*so] = d_242;
+        out[57*so] = d_246;
+        out[58*so] = d_247;
+        out[59*so] = d_248;
+        out[60*so] = d_249;
+        out[61*so] = d_250;
+        out[62*so] = d_251;
     }
-    static void attention_tied_softmax_L2_T3_r1_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_jacobian, 6, 63)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -1025,7 +1063,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1);
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -1034,7 +1072,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -1043,7 +1081,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -1085,31 +1123,32 @@ cdef extern from *:
     ));
         const double schur_41 = -mul_40*schur_36 + schur_39;
         const double ldet_42 = log(fabs(piv_33*schur_35*schur_41));
-        out[0] = Phi_30;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = Phi_31;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = Phi_32;
-        out[9] = ldet_42;
+        out[0*so] = Phi_30;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = Phi_31;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = Phi_32;
+        out[9*so] = ldet_42;
     }
-    static void attention_tied_softmax_L2_T3_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_mixing, 3, 10)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
-        const double z_2_0 = in[6];
-        const double z_2_1 = in[7];
-        const double z_2_2 = in[8];
-        const double z_3_0 = in[9];
-        const double z_3_1 = in[10];
-        const double z_3_2 = in[11];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
+        const double z_2_0 = in[6*si];
+        const double z_2_1 = in[7*si];
+        const double z_2_2 = in[8*si];
+        const double z_3_0 = in[9*si];
+        const double z_3_1 = in[10*si];
+        const double z_3_2 = in[11*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -1118,7 +1157,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
         const double M_4 = z_0_1*z_0_2 + z_1_1*z_1_2;
         const double M_5 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -1127,7 +1166,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -1136,7 +1175,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -1160,7 +1199,7 @@ cdef extern from *:
         const double M_42 = (u_35*u_35) + (u_36*u_36);
         const double M_43 = u_35*u_37 + u_36*u_38;
         const double M_44 = (u_37*u_37) + (u_38*u_38);
-        const double m_45 = fmax(M_39, fmax(M_40, M_41));
+        const double m_45 = smi_fmax(smi_fmax(M_39, M_40), M_41);
         const double x3 = -m_45;
         const double e_46 = exp(beta*(M_39 + x3));
         const double e_47 = exp(beta*(M_40 + x3));
@@ -1169,7 +1208,7 @@ cdef extern from *:
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
-        const double m_53 = fmax(M_40, fmax(M_42, M_43));
+        const double m_53 = smi_fmax(smi_fmax(M_40, M_42), M_43);
         const double x4 = -m_53;
         const double e_54 = exp(beta*(M_40 + x4));
         const double e_55 = exp(beta*(M_42 + x4));
@@ -1178,7 +1217,7 @@ cdef extern from *:
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
-        const double m_61 = fmax(M_41, fmax(M_43, M_44));
+        const double m_61 = smi_fmax(smi_fmax(M_41, M_43), M_44);
         const double x5 = -m_61;
         const double e_62 = exp(beta*(M_41 + x5));
         const double e_63 = exp(beta*(M_43 + x5));
@@ -1187,30 +1226,31 @@ cdef extern from *:
         const double sig_66 = e_62*w_65;
         const double sig_67 = e_63*w_65;
         const double sig_68 = e_64*w_65;
-        out[0] = sig_50;
-        out[1] = sig_51;
-        out[2] = sig_52;
-        out[3] = sig_58;
-        out[4] = sig_59;
-        out[5] = sig_60;
-        out[6] = sig_66;
-        out[7] = sig_67;
-        out[8] = sig_68;
+        out[0*so] = sig_50;
+        out[1*so] = sig_51;
+        out[2*so] = sig_52;
+        out[3*so] = sig_58;
+        out[4*so] = sig_59;
+        out[5*so] = sig_60;
+        out[6*so] = sig_66;
+        out[7*so] = sig_67;
+        out[8*so] = sig_68;
     }
-    static void attention_tied_softmax_L2_T3_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r2_forward, 12, 9)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
-        const double z_2_0 = in[6];
-        const double z_2_1 = in[7];
-        const double z_2_2 = in[8];
-        const double z_3_0 = in[9];
-        const double z_3_1 = in[10];
-        const double z_3_2 = in[11];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
+        const double z_2_0 = in[6*si];
+        const double z_2_1 = in[7*si];
+        const double z_2_2 = in[8*si];
+        const double z_3_0 = in[9*si];
+        const double z_3_1 = in[10*si];
+        const double z_3_2 = in[11*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -1225,7 +1265,7 @@ cdef extern from *:
         const double M_5 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
         const double p_73 = 2*z_0_2;
         const double p_74 = 2*z_1_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -1268,7 +1308,7 @@ cdef extern from *:
         const double d_99 = p_70*p_93 + p_94*z_1_1 + p_95*z_1_2;
         const double d_100 = p_94*z_1_0;
         const double d_101 = p_95*z_1_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -1311,7 +1351,7 @@ cdef extern from *:
         const double d_126 = p_120*z_1_1;
         const double d_127 = p_120*z_1_0 + p_121*p_72 + p_122*z_1_2;
         const double d_128 = p_122*z_1_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -1483,7 +1523,7 @@ cdef extern from *:
         const double d_267 = p_257*sig_27;
         const double d_268 = p_257*sig_28;
         const double d_269 = Phi_32*p_257;
-        const double m_45 = fmax(M_39, fmax(M_40, M_41));
+        const double m_45 = smi_fmax(smi_fmax(M_39, M_40), M_41);
         const double x24 = -m_45;
         const double e_46 = exp(beta*(M_39 + x24));
         const double e_47 = exp(beta*(M_40 + x24));
@@ -1544,7 +1584,7 @@ cdef extern from *:
         const double d_312 = d_203*p_300 + d_215*p_301 + d_227*p_302;
         const double d_313 = d_204*p_300 + d_216*p_301 + d_228*p_302;
         const double d_314 = d_205*p_300 + d_217*p_301 + d_229*p_302;
-        const double m_53 = fmax(M_40, fmax(M_42, M_43));
+        const double m_53 = smi_fmax(smi_fmax(M_40, M_42), M_43);
         const double x32 = -m_53;
         const double e_54 = exp(beta*(M_40 + x32));
         const double e_55 = exp(beta*(M_42 + x32));
@@ -1605,7 +1645,7 @@ cdef extern from *:
         const double d_357 = d_215*p_345 + d_241*p_346 + d_253*p_347;
         const double d_358 = d_216*p_345 + d_242*p_346 + d_254*p_347;
         const double d_359 = d_217*p_345 + d_243*p_346 + d_255*p_347;
-        const double m_61 = fmax(M_41, fmax(M_43, M_44));
+        const double m_61 = smi_fmax(smi_fmax(M_41, M_43), M_44);
         const double x40 = -m_61;
         const double e_62 = exp(beta*(M_41 + x40));
         const double e_63 = exp(beta*(M_43 + x40));
@@ -1666,132 +1706,133 @@ cdef extern from *:
         const double d_402 = d_227*p_390 + d_253*p_391 + d_267*p_392;
         const double d_403 = d_228*p_390 + d_254*p_391 + d_268*p_392;
         const double d_404 = d_229*p_390 + d_255*p_391 + d_269*p_392;
-        out[0] = sig_50;
-        out[1] = sig_51;
-        out[2] = sig_52;
-        out[3] = sig_58;
-        out[4] = sig_59;
-        out[5] = sig_60;
-        out[6] = sig_66;
-        out[7] = sig_67;
-        out[8] = sig_68;
-        out[9] = d_273;
-        out[10] = d_274;
-        out[11] = d_275;
-        out[12] = d_276;
-        out[13] = d_277;
-        out[14] = d_278;
-        out[15] = d_279;
-        out[16] = d_280;
-        out[17] = d_281;
-        out[18] = d_282;
-        out[19] = d_283;
-        out[20] = d_284;
-        out[21] = d_288;
-        out[22] = d_289;
-        out[23] = d_290;
-        out[24] = d_291;
-        out[25] = d_292;
-        out[26] = d_293;
-        out[27] = d_294;
-        out[28] = d_295;
-        out[29] = d_296;
-        out[30] = d_297;
-        out[31] = d_298;
-        out[32] = d_299;
-        out[33] = d_303;
-        out[34] = d_304;
-        out[35] = d_305;
-        out[36] = d_306;
-        out[37] = d_307;
-        out[38] = d_308;
-        out[39] = d_309;
-        out[40] = d_310;
-        out[41] = d_311;
-        out[42] = d_312;
-        out[43] = d_313;
-        out[44] = d_314;
-        out[45] = d_318;
-        out[46] = d_319;
-        out[47] = d_320;
-        out[48] = d_321;
-        out[49] = d_322;
-        out[50] = d_323;
-        out[51] = d_324;
-        out[52] = d_325;
-        out[53] = d_326;
-        out[54] = d_327;
-        out[55] = d_328;
-        out[56] = d_329;
-        out[57] = d_333;
-        out[58] = d_334;
-        out[59] = d_335;
-        out[60] = d_336;
-        out[61] = d_337;
-        out[62] = d_338;
-        out[63] = d_339;
-        out[64] = d_340;
-        out[65] = d_341;
-        out[66] = d_342;
-        out[67] = d_343;
-        out[68] = d_344;
-        out[69] = d_348;
-        out[70] = d_349;
-        out[71] = d_350;
-        out[72] = d_351;
-        out[73] = d_352;
-        out[74] = d_353;
-        out[75] = d_354;
-        out[76] = d_355;
-        out[77] = d_356;
-        out[78] = d_357;
-        out[79] = d_358;
-        out[80] = d_359;
-        out[81] = d_363;
-        out[82] = d_364;
-        out[83] = d_365;
-        out[84] = d_366;
-        out[85] = d_367;
-        out[86] = d_368;
-        out[87] = d_369;
-        out[88] = d_370;
-        out[89] = d_371;
-        out[90] = d_372;
-        out[91] = d_373;
-        out[92] = d_374;
-        out[93] = d_378;
-        out[94] = d_379;
-        out[95] = d_380;
-        out[96] = d_381;
-        out[97] = d_382;
-        out[98] = d_383;
-        out[99] = d_384;
-        out[100] = d_385;
-        out[101] = d_386;
-        out[102] = d_387;
-        out[103] = d_388;
-        out[104] = d_389;
-        out[105] = d_393;
-        out[106] = d_394;
-        out[107] = d_395;
-        out[108] = d_396;
-        out[109] = d_397;
-        out[110] = d_398;
-        out[111] = d_399;
-        out[112] = d_400;
-        out[113] = d_401;
-        out[114] = d_402;
-        out[115] = d_403;
-        out[116] = d_404;
+        out[0*so] = sig_50;
+        out[1*so] = sig_51;
+        out[2*so] = sig_52;
+        out[3*so] = sig_58;
+        out[4*so] = sig_59;
+        out[5*so] = sig_60;
+        out[6*so] = sig_66;
+        out[7*so] = sig_67;
+        out[8*so] = sig_68;
+        out[9*so] = d_273;
+        out[10*so] = d_274;
+        out[11*so] = d_275;
+        out[12*so] = d_276;
+        out[13*so] = d_277;
+        out[14*so] = d_278;
+        out[15*so] = d_279;
+        out[16*so] = d_280;
+        out[17*so] = d_281;
+        out[18*so] = d_282;
+        out[19*so] = d_283;
+        out[20*so] = d_284;
+        out[21*so] = d_288;
+        out[22*so] = d_289;
+        out[23*so] = d_290;
+        out[24*so] = d_291;
+        out[25*so] = d_292;
+        out[26*so] = d_293;
+        out[27*so] = d_294;
+        out[28*so] = d_295;
+        out[29*so] = d_296;
+        out[30*so] = d_297;
+        out[31*so] = d_298;
+        out[32*so] = d_299;
+        out[33*so] = d_303;
+        out[34*so] = d_304;
+        out[35*so] = d_305;
+        out[36*so] = d_306;
+        out[37*so] = d_307;
+        out[38*so] = d_308;
+        out[39*so] = d_309;
+        out[40*so] = d_310;
+        out[41*so] = d_311;
+        out[42*so] = d_312;
+        out[43*so] = d_313;
+        out[44*so] = d_314;
+        out[45*so] = d_318;
+        out[46*so] = d_319;
+        out[47*so] = d_320;
+        out[48*so] = d_321;
+        out[49*so] = d_322;
+        out[50*so] = d_323;
+        out[51*so] = d_324;
+        out[52*so] = d_325;
+        out[53*so] = d_326;
+        out[54*so] = d_327;
+        out[55*so] = d_328;
+        out[56*so] = d_329;
+        out[57*so] = d_333;
+        out[58*so] = d_334;
+        out[59*so] = d_335;
+        out[60*so] = d_336;
+        out[61*so] = d_337;
+        out[62*so] = d_338;
+        out[63*so] = d_339;
+        out[64*so] = d_340;
+        out[65*so] = d_341;
+        out[66*so] = d_342;
+        out[67*so] = d_343;
+        out[68*so] = d_344;
+        out[69*so] = d_348;
+        out[70*so] = d_349;
+        out[71*so] = d_350;
+        out[72*so] = d_351;
+        out[73*so] = d_352;
+        out[74*so] = d_353;
+        out[75*so] = d_354;
+        out[76*so] = d_355;
+        out[77*so] = d_356;
+        out[78*so] = d_357;
+        out[79*so] = d_358;
+        out[80*so] = d_359;
+        out[81*so] = d_363;
+        out[82*so] = d_364;
+        out[83*so] = d_365;
+        out[84*so] = d_366;
+        out[85*so] = d_367;
+        out[86*so] = d_368;
+        out[87*so] = d_369;
+        out[88*so] = d_370;
+        out[89*so] = d_371;
+        out[90*so] = d_372;
+        out[91*so] = d_373;
+        out[92*so] = d_374;
+        out[93*so] = d_378;
+        out[94*so] = d_379;
+        out[95*so] = d_380;
+        out[96*so] = d_381;
+        out[97*so] = d_382;
+        out[98*so] = d_383;
+        out[99*so] = d_384;
+        out[100*so] = d_385;
+        out[101*so] = d_386;
+        out[102*so] = d_387;
+        out[103*so] = d_388;
+        out[104*so] = d_389;
+        out[105*so] = d_393;
+        out[106*so] = d_394;
+        out[107*so] = d_395;
+        out[108*so] = d_396;
+        out[109*so] = d_397;
+        out[110*so] = d_398;
+        out[111*so] = d_399;
+        out[112*so] = d_400;
+        out[113*so] = d_401;
+        out[114*so] = d_402;
+        out[115*so] = d_403;
+        out[116*so] = d_404;
     }
-    static void attention_tied_softmax_L2_T3_r2_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r2_jacobian, 12, 117)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r2_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_1_0 = in[3];
-        const double z_1_1 = in[4];
-        const double z_1_2 = in[5];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_1_0 = in[3*si];
+        const double z_1_1 = in[4*si];
+        const double z_1_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -1800,7 +1841,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1) + (z_1_1*z_1_1);
         const double M_4 = z_0_1*z_0_2 + z_1_1*z_1_2;
         const double M_5 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -1809,7 +1850,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -1818,7 +1859,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -1860,27 +1901,28 @@ cdef extern from *:
     ));
         const double schur_41 = -mul_40*schur_36 + schur_39;
         const double ldet_42 = log(fabs(piv_33*schur_35*schur_41));
-        out[0] = Phi_30;
-        out[1] = sig_12;
-        out[2] = sig_13;
-        out[3] = sig_19;
-        out[4] = Phi_31;
-        out[5] = sig_21;
-        out[6] = sig_27;
-        out[7] = sig_28;
-        out[8] = Phi_32;
-        out[9] = ldet_42;
+        out[0*so] = Phi_30;
+        out[1*so] = sig_12;
+        out[2*so] = sig_13;
+        out[3*so] = sig_19;
+        out[4*so] = Phi_31;
+        out[5*so] = sig_21;
+        out[6*so] = sig_27;
+        out[7*so] = sig_28;
+        out[8*so] = Phi_32;
+        out[9*so] = ldet_42;
     }
-    static void attention_tied_softmax_L2_T4_r1_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r2_mixing, 6, 10)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -1893,7 +1935,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2);
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -1904,7 +1946,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -1915,7 +1957,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -1926,7 +1968,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -1955,7 +1997,7 @@ cdef extern from *:
         const double M_65 = (u_56*u_56);
         const double M_66 = u_56*u_57;
         const double M_67 = (u_57*u_57);
-        const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
+        const double m_68 = smi_fmax(smi_fmax(smi_fmax(M_58, M_59), M_60), M_61);
         const double x4 = -m_68;
         const double e_69 = exp(beta*(M_58 + x4));
         const double e_70 = exp(beta*(M_59 + x4));
@@ -1966,7 +2008,7 @@ cdef extern from *:
         const double sig_75 = e_70*w_73;
         const double sig_76 = e_71*w_73;
         const double sig_77 = e_72*w_73;
-        const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
+        const double m_78 = smi_fmax(smi_fmax(smi_fmax(M_59, M_62), M_63), M_64);
         const double x5 = -m_78;
         const double e_79 = exp(beta*(M_59 + x5));
         const double e_80 = exp(beta*(M_62 + x5));
@@ -1977,7 +2019,7 @@ cdef extern from *:
         const double sig_85 = e_80*w_83;
         const double sig_86 = e_81*w_83;
         const double sig_87 = e_82*w_83;
-        const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
+        const double m_88 = smi_fmax(smi_fmax(smi_fmax(M_60, M_63), M_65), M_66);
         const double x6 = -m_88;
         const double e_89 = exp(beta*(M_60 + x6));
         const double e_90 = exp(beta*(M_63 + x6));
@@ -1988,7 +2030,7 @@ cdef extern from *:
         const double sig_95 = e_90*w_93;
         const double sig_96 = e_91*w_93;
         const double sig_97 = e_92*w_93;
-        const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
+        const double m_98 = smi_fmax(smi_fmax(smi_fmax(M_61, M_64), M_66), M_67);
         const double x7 = -m_98;
         const double e_99 = exp(beta*(M_61 + x7));
         const double e_100 = exp(beta*(M_64 + x7));
@@ -1999,33 +2041,34 @@ cdef extern from *:
         const double sig_105 = e_100*w_103;
         const double sig_106 = e_101*w_103;
         const double sig_107 = e_102*w_103;
-        out[0] = sig_74;
-        out[1] = sig_75;
-        out[2] = sig_76;
-        out[3] = sig_77;
-        out[4] = sig_84;
-        out[5] = sig_85;
-        out[6] = sig_86;
-        out[7] = sig_87;
-        out[8] = sig_94;
-        out[9] = sig_95;
-        out[10] = sig_96;
-        out[11] = sig_97;
-        out[12] = sig_104;
-        out[13] = sig_105;
-        out[14] = sig_106;
-        out[15] = sig_107;
+        out[0*so] = sig_74;
+        out[1*so] = sig_75;
+        out[2*so] = sig_76;
+        out[3*so] = sig_77;
+        out[4*so] = sig_84;
+        out[5*so] = sig_85;
+        out[6*so] = sig_86;
+        out[7*so] = sig_87;
+        out[8*so] = sig_94;
+        out[9*so] = sig_95;
+        out[10*so] = sig_96;
+        out[11*so] = sig_97;
+        out[12*so] = sig_104;
+        out[13*so] = sig_105;
+        out[14*so] = sig_106;
+        out[15*so] = sig_107;
     }
-    static void attention_tied_softmax_L2_T4_r1_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_forward, 8, 16)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -2042,7 +2085,7 @@ cdef extern from *:
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
         const double p_111 = 2*z_0_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -2098,7 +2141,7 @@ cdef extern from *:
         const double d_141 = p_137*z_0_0;
         const double d_142 = p_138*z_0_0;
         const double d_143 = p_139*z_0_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -2154,7 +2197,7 @@ cdef extern from *:
         const double d_173 = p_109*p_169 + p_168*z_0_0 + p_170*z_0_2 + p_171*z_0_3;
         const double d_174 = p_170*z_0_1;
         const double d_175 = p_171*z_0_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -2210,7 +2253,7 @@ cdef extern from *:
         const double d_205 = p_201*z_0_2;
         const double d_206 = p_110*p_202 + p_200*z_0_0 + p_201*z_0_1 + p_203*z_0_3;
         const double d_207 = p_203*z_0_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -2384,7 +2427,7 @@ cdef extern from *:
         const double d_337 = p_331*sig_47;
         const double d_338 = p_331*sig_48;
         const double d_339 = Phi_53*p_331;
-        const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
+        const double m_68 = smi_fmax(smi_fmax(smi_fmax(M_58, M_59), M_60), M_61);
         const double x56 = -m_68;
         const double e_69 = exp(beta*(M_58 + x56));
         const double e_70 = exp(beta*(M_59 + x56));
@@ -2456,7 +2499,7 @@ cdef extern from *:
         const double d_385 = d_262*p_376 + d_270*p_377 + d_278*p_378 + d_286*p_379;
         const double d_386 = d_263*p_376 + d_271*p_377 + d_279*p_378 + d_287*p_379;
         const double d_387 = d_264*p_376 + d_272*p_377 + d_280*p_378 + d_288*p_379;
-        const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
+        const double m_78 = smi_fmax(smi_fmax(smi_fmax(M_59, M_62), M_63), M_64);
         const double x70 = -m_78;
         const double e_79 = exp(beta*(M_59 + x70));
         const double e_80 = exp(beta*(M_62 + x70));
@@ -2528,7 +2571,7 @@ cdef extern from *:
         const double d_433 = d_270*p_424 + d_295*p_425 + d_303*p_426 + d_311*p_427;
         const double d_434 = d_271*p_424 + d_296*p_425 + d_304*p_426 + d_312*p_427;
         const double d_435 = d_272*p_424 + d_297*p_425 + d_305*p_426 + d_313*p_427;
-        const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
+        const double m_88 = smi_fmax(smi_fmax(smi_fmax(M_60, M_63), M_65), M_66);
         const double x84 = -m_88;
         const double e_89 = exp(beta*(M_60 + x84));
         const double e_90 = exp(beta*(M_63 + x84));
@@ -2600,7 +2643,7 @@ cdef extern from *:
         const double d_481 = d_278*p_472 + d_303*p_473 + d_320*p_474 + d_328*p_475;
         const double d_482 = d_279*p_472 + d_304*p_473 + d_321*p_474 + d_329*p_475;
         const double d_483 = d_280*p_472 + d_305*p_473 + d_322*p_474 + d_330*p_475;
-        const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
+        const double m_98 = smi_fmax(smi_fmax(smi_fmax(M_61, M_64), M_66), M_67);
         const double x98 = -m_98;
         const double e_99 = exp(beta*(M_61 + x98));
         const double e_100 = exp(beta*(M_64 + x98));
@@ -2672,157 +2715,158 @@ cdef extern from *:
         const double d_529 = d_286*p_520 + d_311*p_521 + d_328*p_522 + d_337*p_523;
         const double d_530 = d_287*p_520 + d_312*p_521 + d_329*p_522 + d_338*p_523;
         const double d_531 = d_288*p_520 + d_313*p_521 + d_330*p_522 + d_339*p_523;
-        out[0] = sig_74;
-        out[1] = sig_75;
-        out[2] = sig_76;
-        out[3] = sig_77;
-        out[4] = sig_84;
-        out[5] = sig_85;
-        out[6] = sig_86;
-        out[7] = sig_87;
-        out[8] = sig_94;
-        out[9] = sig_95;
-        out[10] = sig_96;
-        out[11] = sig_97;
-        out[12] = sig_104;
-        out[13] = sig_105;
-        out[14] = sig_106;
-        out[15] = sig_107;
-        out[16] = d_344;
-        out[17] = d_345;
-        out[18] = d_346;
-        out[19] = d_347;
-        out[20] = d_348;
-        out[21] = d_349;
-        out[22] = d_350;
-        out[23] = d_351;
-        out[24] = d_356;
-        out[25] = d_357;
-        out[26] = d_358;
-        out[27] = d_359;
-        out[28] = d_360;
-        out[29] = d_361;
-        out[30] = d_362;
-        out[31] = d_363;
-        out[32] = d_368;
-        out[33] = d_369;
-        out[34] = d_370;
-        out[35] = d_371;
-        out[36] = d_372;
-        out[37] = d_373;
-        out[38] = d_374;
-        out[39] = d_375;
-        out[40] = d_380;
-        out[41] = d_381;
-        out[42] = d_382;
-        out[43] = d_383;
-        out[44] = d_384;
-        out[45] = d_385;
-        out[46] = d_386;
-        out[47] = d_387;
-        out[48] = d_392;
-        out[49] = d_393;
-        out[50] = d_394;
-        out[51] = d_395;
-        out[52] = d_396;
-        out[53] = d_397;
-        out[54] = d_398;
-        out[55] = d_399;
-        out[56] = d_404;
-        out[57] = d_405;
-        out[58] = d_406;
-        out[59] = d_407;
-        out[60] = d_408;
-        out[61] = d_409;
-        out[62] = d_410;
-        out[63] = d_411;
-        out[64] = d_416;
-        out[65] = d_417;
-        out[66] = d_418;
-        out[67] = d_419;
-        out[68] = d_420;
-        out[69] = d_421;
-        out[70] = d_422;
-        out[71] = d_423;
-        out[72] = d_428;
-        out[73] = d_429;
-        out[74] = d_430;
-        out[75] = d_431;
-        out[76] = d_432;
-        out[77] = d_433;
-        out[78] = d_434;
-        out[79] = d_435;
-        out[80] = d_440;
-        out[81] = d_441;
-        out[82] = d_442;
-        out[83] = d_443;
-        out[84] = d_444;
-        out[85] = d_445;
-        out[86] = d_446;
-        out[87] = d_447;
-        out[88] = d_452;
-        out[89] = d_453;
-        out[90] = d_454;
-        out[91] = d_455;
-        out[92] = d_456;
-        out[93] = d_457;
-        out[94] = d_458;
-        out[95] = d_459;
-        out[96] = d_464;
-        out[97] = d_465;
-        out[98] = d_466;
-        out[99] = d_467;
-        out[100] = d_468;
-        out[101] = d_469;
-        out[102] = d_470;
-        out[103] = d_471;
-        out[104] = d_476;
-        out[105] = d_477;
-        out[106] = d_478;
-        out[107] = d_479;
-        out[108] = d_480;
-        out[109] = d_481;
-        out[110] = d_482;
-        out[111] = d_483;
-        out[112] = d_488;
-        out[113] = d_489;
-        out[114] = d_490;
-        out[115] = d_491;
-        out[116] = d_492;
-        out[117] = d_493;
-        out[118] = d_494;
-        out[119] = d_495;
-        out[120] = d_500;
-        out[121] = d_501;
-        out[122] = d_502;
-        out[123] = d_503;
-        out[124] = d_504;
-        out[125] = d_505;
-        out[126] = d_506;
-        out[127] = d_507;
-        out[128] = d_512;
-        out[129] = d_513;
-        out[130] = d_514;
-        out[131] = d_515;
-        out[132] = d_516;
-        out[133] = d_517;
-        out[134] = d_518;
-        out[135] = d_519;
-        out[136] = d_524;
-        out[137] = d_525;
-        out[138] = d_526;
-        out[139] = d_527;
-        out[140] = d_528;
-        out[141] = d_529;
-        out[142] = d_530;
-        out[143] = d_531;
+        out[0*so] = sig_74;
+        out[1*so] = sig_75;
+        out[2*so] = sig_76;
+        out[3*so] = sig_77;
+        out[4*so] = sig_84;
+        out[5*so] = sig_85;
+        out[6*so] = sig_86;
+        out[7*so] = sig_87;
+        out[8*so] = sig_94;
+        out[9*so] = sig_95;
+        out[10*so] = sig_96;
+        out[11*so] = sig_97;
+        out[12*so] = sig_104;
+        out[13*so] = sig_105;
+        out[14*so] = sig_106;
+        out[15*so] = sig_107;
+        out[16*so] = d_344;
+        out[17*so] = d_345;
+        out[18*so] = d_346;
+        out[19*so] = d_347;
+        out[20*so] = d_348;
+        out[21*so] = d_349;
+        out[22*so] = d_350;
+        out[23*so] = d_351;
+        out[24*so] = d_356;
+        out[25*so] = d_357;
+        out[26*so] = d_358;
+        out[27*so] = d_359;
+        out[28*so] = d_360;
+        out[29*so] = d_361;
+        out[30*so] = d_362;
+        out[31*so] = d_363;
+        out[32*so] = d_368;
+        out[33*so] = d_369;
+        out[34*so] = d_370;
+        out[35*so] = d_371;
+        out[36*so] = d_372;
+        out[37*so] = d_373;
+        out[38*so] = d_374;
+        out[39*so] = d_375;
+        out[40*so] = d_380;
+        out[41*so] = d_381;
+        out[42*so] = d_382;
+        out[43*so] = d_383;
+        out[44*so] = d_384;
+        out[45*so] = d_385;
+        out[46*so] = d_386;
+        out[47*so] = d_387;
+        out[48*so] = d_392;
+        out[49*so] = d_393;
+        out[50*so] = d_394;
+        out[51*so] = d_395;
+        out[52*so] = d_396;
+        out[53*so] = d_397;
+        out[54*so] = d_398;
+        out[55*so] = d_399;
+        out[56*so] = d_404;
+        out[57*so] = d_405;
+        out[58*so] = d_406;
+        out[59*so] = d_407;
+        out[60*so] = d_408;
+        out[61*so] = d_409;
+        out[62*so] = d_410;
+        out[63*so] = d_411;
+        out[64*so] = d_416;
+        out[65*so] = d_417;
+        out[66*so] = d_418;
+        out[67*so] = d_419;
+        out[68*so] = d_420;
+        out[69*so] = d_421;
+        out[70*so] = d_422;
+        out[71*so] = d_423;
+        out[72*so] = d_428;
+        out[73*so] = d_429;
+        out[74*so] = d_430;
+        out[75*so] = d_431;
+        out[76*so] = d_432;
+        out[77*so] = d_433;
+        out[78*so] = d_434;
+        out[79*so] = d_435;
+        out[80*so] = d_440;
+        out[81*so] = d_441;
+        out[82*so] = d_442;
+        out[83*so] = d_443;
+        out[84*so] = d_444;
+        out[85*so] = d_445;
+        out[86*so] = d_446;
+        out[87*so] = d_447;
+        out[88*so] = d_452;
+        out[89*so] = d_453;
+        out[90*so] = d_454;
+        out[91*so] = d_455;
+        out[92*so] = d_456;
+        out[93*so] = d_457;
+        out[94*so] = d_458;
+        out[95*so] = d_459;
+        out[96*so] = d_464;
+        out[97*so] = d_465;
+        out[98*so] = d_466;
+        out[99*so] = d_467;
+        out[100*so] = d_468;
+        out[101*so] = d_469;
+        out[102*so] = d_470;
+        out[103*so] = d_471;
+        out[104*so] = d_476;
+        out[105*so] = d_477;
+        out[106*so] = d_478;
+        out[107*so] = d_479;
+        out[108*so] = d_480;
+        out[109*so] = d_481;
+        out[110*so] = d_482;
+        out[111*so] = d_483;
+        out[112*so] = d_488;
+        out[113*so] = d_489;
+        out[114*so] = d_490;
+        out[115*so] = d_491;
+        out[116*so] = d_492;
+        out[117*so] = d_493;
+        out[118*so] = d_494;
+        out[119*so] = d_495;
+        out[120*so] = d_500;
+        out[121*so] = d_501;
+        out[122*so] = d_502;
+        out[123*so] = d_503;
+        out[124*so] = d_504;
+        out[125*so] = d_505;
+        out[126*so] = d_506;
+        out[127*so] = d_507;
+        out[128*so] = d_512;
+        out[129*so] = d_513;
+        out[130*so] = d_514;
+        out[131*so] = d_515;
+        out[132*so] = d_516;
+        out[133*so] = d_517;
+        out[134*so] = d_518;
+        out[135*so] = d_519;
+        out[136*so] = d_524;
+        out[137*so] = d_525;
+        out[138*so] = d_526;
+        out[139*so] = d_527;
+        out[140*so] = d_528;
+        out[141*so] = d_529;
+        out[142*so] = d_530;
+        out[143*so] = d_531;
     }
-    static void attention_tied_softmax_L2_T4_r1_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_jacobian, 8, 144)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -2835,7 +2879,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2);
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -2846,7 +2890,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -2857,7 +2901,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -2868,7 +2912,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -2943,42 +2987,43 @@ cdef extern from *:
     ));
         const double schur_74 = -mul_73*schur_69 + schur_72;
         const double ldet_75 = log(fabs(piv_54*schur_56*schur_68*schur_74));
-        out[0] = Phi_50;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = Phi_51;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = Phi_52;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = Phi_53;
-        out[16] = ldet_75;
+        out[0*so] = Phi_50;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = Phi_51;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = Phi_52;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = Phi_53;
+        out[16*so] = ldet_75;
     }
-    static void attention_tied_softmax_L2_T4_r2_forward(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_mixing, 4, 17)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r2_forward_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
-        const double z_2_0 = in[8];
-        const double z_2_1 = in[9];
-        const double z_2_2 = in[10];
-        const double z_2_3 = in[11];
-        const double z_3_0 = in[12];
-        const double z_3_1 = in[13];
-        const double z_3_2 = in[14];
-        const double z_3_3 = in[15];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
+        const double z_2_0 = in[8*si];
+        const double z_2_1 = in[9*si];
+        const double z_2_2 = in[10*si];
+        const double z_2_3 = in[11*si];
+        const double z_3_0 = in[12*si];
+        const double z_3_1 = in[13*si];
+        const double z_3_2 = in[14*si];
+        const double z_3_3 = in[15*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -2991,7 +3036,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
         const double M_8 = z_0_2*z_0_3 + z_1_2*z_1_3;
         const double M_9 = (z_0_3*z_0_3) + (z_1_3*z_1_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -3002,7 +3047,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -3013,7 +3058,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -3024,7 +3069,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -3057,7 +3102,7 @@ cdef extern from *:
         const double M_69 = (u_58*u_58) + (u_59*u_59);
         const double M_70 = u_58*u_60 + u_59*u_61;
         const double M_71 = (u_60*u_60) + (u_61*u_61);
-        const double m_72 = fmax(M_62, fmax(M_63, fmax(M_64, M_65)));
+        const double m_72 = smi_fmax(smi_fmax(smi_fmax(M_62, M_63), M_64), M_65);
         const double x4 = -m_72;
         const double e_73 = exp(beta*(M_62 + x4));
         const double e_74 = exp(beta*(M_63 + x4));
@@ -3068,7 +3113,7 @@ cdef extern from *:
         const double sig_79 = e_74*w_77;
         const double sig_80 = e_75*w_77;
         const double sig_81 = e_76*w_77;
-        const double m_82 = fmax(M_63, fmax(M_66, fmax(M_67, M_68)));
+        const double m_82 = smi_fmax(smi_fmax(smi_fmax(M_63, M_66), M_67), M_68);
         const double x5 = -m_82;
         const double e_83 = exp(beta*(M_63 + x5));
         const double e_84 = exp(beta*(M_66 + x5));
@@ -3079,7 +3124,7 @@ cdef extern from *:
         const double sig_89 = e_84*w_87;
         const double sig_90 = e_85*w_87;
         const double sig_91 = e_86*w_87;
-        const double m_92 = fmax(M_64, fmax(M_67, fmax(M_69, M_70)));
+        const double m_92 = smi_fmax(smi_fmax(smi_fmax(M_64, M_67), M_69), M_70);
         const double x6 = -m_92;
         const double e_93 = exp(beta*(M_64 + x6));
         const double e_94 = exp(beta*(M_67 + x6));
@@ -3090,7 +3135,7 @@ cdef extern from *:
         const double sig_99 = e_94*w_97;
         const double sig_100 = e_95*w_97;
         const double sig_101 = e_96*w_97;
-        const double m_102 = fmax(M_65, fmax(M_68, fmax(M_70, M_71)));
+        const double m_102 = smi_fmax(smi_fmax(smi_fmax(M_65, M_68), M_70), M_71);
         const double x7 = -m_102;
         const double e_103 = exp(beta*(M_65 + x7));
         const double e_104 = exp(beta*(M_68 + x7));
@@ -3101,41 +3146,42 @@ cdef extern from *:
         const double sig_109 = e_104*w_107;
         const double sig_110 = e_105*w_107;
         const double sig_111 = e_106*w_107;
-        out[0] = sig_78;
-        out[1] = sig_79;
-        out[2] = sig_80;
-        out[3] = sig_81;
-        out[4] = sig_88;
-        out[5] = sig_89;
-        out[6] = sig_90;
-        out[7] = sig_91;
-        out[8] = sig_98;
-        out[9] = sig_99;
-        out[10] = sig_100;
-        out[11] = sig_101;
-        out[12] = sig_108;
-        out[13] = sig_109;
-        out[14] = sig_110;
-        out[15] = sig_111;
+        out[0*so] = sig_78;
+        out[1*so] = sig_79;
+        out[2*so] = sig_80;
+        out[3*so] = sig_81;
+        out[4*so] = sig_88;
+        out[5*so] = sig_89;
+        out[6*so] = sig_90;
+        out[7*so] = sig_91;
+        out[8*so] = sig_98;
+        out[9*so] = sig_99;
+        out[10*so] = sig_100;
+        out[11*so] = sig_101;
+        out[12*so] = sig_108;
+        out[13*so] = sig_109;
+        out[14*so] = sig_110;
+        out[15*so] = sig_111;
     }
-    static void attention_tied_softmax_L2_T4_r2_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r2_forward, 16, 16)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r2_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
-        const double z_2_0 = in[8];
-        const double z_2_1 = in[9];
-        const double z_2_2 = in[10];
-        const double z_2_3 = in[11];
-        const double z_3_0 = in[12];
-        const double z_3_1 = in[13];
-        const double z_3_2 = in[14];
-        const double z_3_3 = in[15];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
+        const double z_2_0 = in[8*si];
+        const double z_2_1 = in[9*si];
+        const double z_2_2 = in[10*si];
+        const double z_2_3 = in[11*si];
+        const double z_3_0 = in[12*si];
+        const double z_3_1 = in[13*si];
+        const double z_3_2 = in[14*si];
+        const double z_3_3 = in[15*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -3156,7 +3202,7 @@ cdef extern from *:
         const double M_9 = (z_0_3*z_0_3) + (z_1_3*z_1_3);
         const double p_118 = 2*z_0_3;
         const double p_119 = 2*z_1_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -3228,7 +3274,7 @@ cdef extern from *:
         const double d_165 = p_157*z_1_0;
         const double d_166 = p_158*z_1_0;
         const double d_167 = p_159*z_1_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -3300,7 +3346,7 @@ cdef extern from *:
         const double d_213 = p_115*p_205 + p_204*z_1_0 + p_206*z_1_2 + p_207*z_1_3;
         const double d_214 = p_206*z_1_1;
         const double d_215 = p_207*z_1_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -3372,7 +3418,7 @@ cdef extern from *:
         const double d_261 = p_253*z_1_2;
         const double d_262 = p_117*p_254 + p_252*z_1_0 + p_253*z_1_1 + p_255*z_1_3;
         const double d_263 = p_255*z_1_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -3698,7 +3744,7 @@ cdef extern from *:
         const double d_541 = p_527*sig_47;
         const double d_542 = p_527*sig_48;
         const double d_543 = Phi_53*p_527;
-        const double m_72 = fmax(M_62, fmax(M_63, fmax(M_64, M_65)));
+        const double m_72 = smi_fmax(smi_fmax(smi_fmax(M_62, M_63), M_64), M_65);
         const double x56 = -m_72;
         const double e_73 = exp(beta*(M_62 + x56));
         const double e_74 = exp(beta*(M_63 + x56));
@@ -3802,7 +3848,7 @@ cdef extern from *:
         const double d_621 = d_391*p_604 + d_407*p_605 + d_423*p_606 + d_439*p_607;
         const double d_622 = d_392*p_604 + d_408*p_605 + d_424*p_606 + d_440*p_607;
         const double d_623 = d_393*p_604 + d_409*p_605 + d_425*p_606 + d_441*p_607;
-        const double m_82 = fmax(M_63, fmax(M_66, fmax(M_67, M_68)));
+        const double m_82 = smi_fmax(smi_fmax(smi_fmax(M_63, M_66), M_67), M_68);
         const double x70 = -m_82;
         const double e_83 = exp(beta*(M_63 + x70));
         const double e_84 = exp(beta*(M_66 + x70));
@@ -3906,7 +3952,7 @@ cdef extern from *:
         const double d_701 = d_407*p_684 + d_457*p_685 + d_473*p_686 + d_489*p_687;
         const double d_702 = d_408*p_684 + d_458*p_685 + d_474*p_686 + d_490*p_687;
         const double d_703 = d_409*p_684 + d_459*p_685 + d_475*p_686 + d_491*p_687;
-        const double m_92 = fmax(M_64, fmax(M_67, fmax(M_69, M_70)));
+        const double m_92 = smi_fmax(smi_fmax(smi_fmax(M_64, M_67), M_69), M_70);
         const double x84 = -m_92;
         const double e_93 = exp(beta*(M_64 + x84));
         const double e_94 = exp(beta*(M_67 + x84));
@@ -4010,7 +4056,7 @@ cdef extern from *:
         const double d_781 = d_423*p_764 + d_473*p_765 + d_507*p_766 + d_523*p_767;
         const double d_782 = d_424*p_764 + d_474*p_765 + d_508*p_766 + d_524*p_767;
         const double d_783 = d_425*p_764 + d_475*p_765 + d_509*p_766 + d_525*p_767;
-        const double m_102 = fmax(M_65, fmax(M_68, fmax(M_70, M_71)));
+        const double m_102 = smi_fmax(smi_fmax(smi_fmax(M_65, M_68), M_70), M_71);
         const double x98 = -m_102;
         const double e_103 = exp(beta*(M_65 + x98));
         const double e_104 = exp(beta*(M_68 + x98));
@@ -4114,289 +4160,290 @@ cdef extern from *:
         const double d_861 = d_439*p_844 + d_489*p_845 + d_523*p_846 + d_541*p_847;
         const double d_862 = d_440*p_844 + d_490*p_845 + d_524*p_846 + d_542*p_847;
         const double d_863 = d_441*p_844 + d_491*p_845 + d_525*p_846 + d_543*p_847;
-        out[0] = sig_78;
-        out[1] = sig_79;
-        out[2] = sig_80;
-        out[3] = sig_81;
-        out[4] = sig_88;
-        out[5] = sig_89;
-        out[6] = sig_90;
-        out[7] = sig_91;
-        out[8] = sig_98;
-        out[9] = sig_99;
-        out[10] = sig_100;
-        out[11] = sig_101;
-        out[12] = sig_108;
-        out[13] = sig_109;
-        out[14] = sig_110;
-        out[15] = sig_111;
-        out[16] = d_548;
-        out[17] = d_549;
-        out[18] = d_550;
-        out[19] = d_551;
-        out[20] = d_552;
-        out[21] = d_553;
-        out[22] = d_554;
-        out[23] = d_555;
-        out[24] = d_556;
-        out[25] = d_557;
-        out[26] = d_558;
-        out[27] = d_559;
-        out[28] = d_560;
-        out[29] = d_561;
-        out[30] = d_562;
-        out[31] = d_563;
-        out[32] = d_568;
-        out[33] = d_569;
-        out[34] = d_570;
-        out[35] = d_571;
-        out[36] = d_572;
-        out[37] = d_573;
-        out[38] = d_574;
-        out[39] = d_575;
-        out[40] = d_576;
-        out[41] = d_577;
-        out[42] = d_578;
-        out[43] = d_579;
-        out[44] = d_580;
-        out[45] = d_581;
-        out[46] = d_582;
-        out[47] = d_583;
-        out[48] = d_588;
-        out[49] = d_589;
-        out[50] = d_590;
-        out[51] = d_591;
-        out[52] = d_592;
-        out[53] = d_593;
-        out[54] = d_594;
-        out[55] = d_595;
-        out[56] = d_596;
-        out[57] = d_597;
-        out[58] = d_598;
-        out[59] = d_599;
-        out[60] = d_600;
-        out[61] = d_601;
-        out[62] = d_602;
-        out[63] = d_603;
-        out[64] = d_608;
-        out[65] = d_609;
-        out[66] = d_610;
-        out[67] = d_611;
-        out[68] = d_612;
-        out[69] = d_613;
-        out[70] = d_614;
-        out[71] = d_615;
-        out[72] = d_616;
-        out[73] = d_617;
-        out[74] = d_618;
-        out[75] = d_619;
-        out[76] = d_620;
-        out[77] = d_621;
-        out[78] = d_622;
-        out[79] = d_623;
-        out[80] = d_628;
-        out[81] = d_629;
-        out[82] = d_630;
-        out[83] = d_631;
-        out[84] = d_632;
-        out[85] = d_633;
-        out[86] = d_634;
-        out[87] = d_635;
-        out[88] = d_636;
-        out[89] = d_637;
-        out[90] = d_638;
-        out[91] = d_639;
-        out[92] = d_640;
-        out[93] = d_641;
-        out[94] = d_642;
-        out[95] = d_643;
-        out[96] = d_648;
-        out[97] = d_649;
-        out[98] = d_650;
-        out[99] = d_651;
-        out[100] = d_652;
-        out[101] = d_653;
-        out[102] = d_654;
-        out[103] = d_655;
-        out[104] = d_656;
-        out[105] = d_657;
-        out[106] = d_658;
-        out[107] = d_659;
-        out[108] = d_660;
-        out[109] = d_661;
-        out[110] = d_662;
-        out[111] = d_663;
-        out[112] = d_668;
-        out[113] = d_669;
-        out[114] = d_670;
-        out[115] = d_671;
-        out[116] = d_672;
-        out[117] = d_673;
-        out[118] = d_674;
-        out[119] = d_675;
-        out[120] = d_676;
-        out[121] = d_677;
-        out[122] = d_678;
-        out[123] = d_679;
-        out[124] = d_680;
-        out[125] = d_681;
-        out[126] = d_682;
-        out[127] = d_683;
-        out[128] = d_688;
-        out[129] = d_689;
-        out[130] = d_690;
-        out[131] = d_691;
-        out[132] = d_692;
-        out[133] = d_693;
-        out[134] = d_694;
-        out[135] = d_695;
-        out[136] = d_696;
-        out[137] = d_697;
-        out[138] = d_698;
-        out[139] = d_699;
-        out[140] = d_700;
-        out[141] = d_701;
-        out[142] = d_702;
-        out[143] = d_703;
-        out[144] = d_708;
-        out[145] = d_709;
-        out[146] = d_710;
-        out[147] = d_711;
-        out[148] = d_712;
-        out[149] = d_713;
-        out[150] = d_714;
-        out[151] = d_715;
-        out[152] = d_716;
-        out[153] = d_717;
-        out[154] = d_718;
-        out[155] = d_719;
-        out[156] = d_720;
-        out[157] = d_721;
-        out[158] = d_722;
-        out[159] = d_723;
-        out[160] = d_728;
-        out[161] = d_729;
-        out[162] = d_730;
-        out[163] = d_731;
-        out[164] = d_732;
-        out[165] = d_733;
-        out[166] = d_734;
-        out[167] = d_735;
-        out[168] = d_736;
-        out[169] = d_737;
-        out[170] = d_738;
-        out[171] = d_739;
-        out[172] = d_740;
-        out[173] = d_741;
-        out[174] = d_742;
-        out[175] = d_743;
-        out[176] = d_748;
-        out[177] = d_749;
-        out[178] = d_750;
-        out[179] = d_751;
-        out[180] = d_752;
-        out[181] = d_753;
-        out[182] = d_754;
-        out[183] = d_755;
-        out[184] = d_756;
-        out[185] = d_757;
-        out[186] = d_758;
-        out[187] = d_759;
-        out[188] = d_760;
-        out[189] = d_761;
-        out[190] = d_762;
-        out[191] = d_763;
-        out[192] = d_768;
-        out[193] = d_769;
-        out[194] = d_770;
-        out[195] = d_771;
-        out[196] = d_772;
-        out[197] = d_773;
-        out[198] = d_774;
-        out[199] = d_775;
-        out[200] = d_776;
-        out[201] = d_777;
-        out[202] = d_778;
-        out[203] = d_779;
-        out[204] = d_780;
-        out[205] = d_781;
-        out[206] = d_782;
-        out[207] = d_783;
-        out[208] = d_788;
-        out[209] = d_789;
-        out[210] = d_790;
-        out[211] = d_791;
-        out[212] = d_792;
-        out[213] = d_793;
-        out[214] = d_794;
-        out[215] = d_795;
-        out[216] = d_796;
-        out[217] = d_797;
-        out[218] = d_798;
-        out[219] = d_799;
-        out[220] = d_800;
-        out[221] = d_801;
-        out[222] = d_802;
-        out[223] = d_803;
-        out[224] = d_808;
-        out[225] = d_809;
-        out[226] = d_810;
-        out[227] = d_811;
-        out[228] = d_812;
-        out[229] = d_813;
-        out[230] = d_814;
-        out[231] = d_815;
-        out[232] = d_816;
-        out[233] = d_817;
-        out[234] = d_818;
-        out[235] = d_819;
-        out[236] = d_820;
-        out[237] = d_821;
-        out[238] = d_822;
-        out[239] = d_823;
-        out[240] = d_828;
-        out[241] = d_829;
-        out[242] = d_830;
-        out[243] = d_831;
-        out[244] = d_832;
-        out[245] = d_833;
-        out[246] = d_834;
-        out[247] = d_835;
-        out[248] = d_836;
-        out[249] = d_837;
-        out[250] = d_838;
-        out[251] = d_839;
-        out[252] = d_840;
-        out[253] = d_841;
-        out[254] = d_842;
-        out[255] = d_843;
-        out[256] = d_848;
-        out[257] = d_849;
-        out[258] = d_850;
-        out[259] = d_851;
-        out[260] = d_852;
-        out[261] = d_853;
-        out[262] = d_854;
-        out[263] = d_855;
-        out[264] = d_856;
-        out[265] = d_857;
-        out[266] = d_858;
-        out[267] = d_859;
-        out[268] = d_860;
-        out[269] = d_861;
-        out[270] = d_862;
-        out[271] = d_863;
+        out[0*so] = sig_78;
+        out[1*so] = sig_79;
+        out[2*so] = sig_80;
+        out[3*so] = sig_81;
+        out[4*so] = sig_88;
+        out[5*so] = sig_89;
+        out[6*so] = sig_90;
+        out[7*so] = sig_91;
+        out[8*so] = sig_98;
+        out[9*so] = sig_99;
+        out[10*so] = sig_100;
+        out[11*so] = sig_101;
+        out[12*so] = sig_108;
+        out[13*so] = sig_109;
+        out[14*so] = sig_110;
+        out[15*so] = sig_111;
+        out[16*so] = d_548;
+        out[17*so] = d_549;
+        out[18*so] = d_550;
+        out[19*so] = d_551;
+        out[20*so] = d_552;
+        out[21*so] = d_553;
+        out[22*so] = d_554;
+        out[23*so] = d_555;
+        out[24*so] = d_556;
+        out[25*so] = d_557;
+        out[26*so] = d_558;
+        out[27*so] = d_559;
+        out[28*so] = d_560;
+        out[29*so] = d_561;
+        out[30*so] = d_562;
+        out[31*so] = d_563;
+        out[32*so] = d_568;
+        out[33*so] = d_569;
+        out[34*so] = d_570;
+        out[35*so] = d_571;
+        out[36*so] = d_572;
+        out[37*so] = d_573;
+        out[38*so] = d_574;
+        out[39*so] = d_575;
+        out[40*so] = d_576;
+        out[41*so] = d_577;
+        out[42*so] = d_578;
+        out[43*so] = d_579;
+        out[44*so] = d_580;
+        out[45*so] = d_581;
+        out[46*so] = d_582;
+        out[47*so] = d_583;
+        out[48*so] = d_588;
+        out[49*so] = d_589;
+        out[50*so] = d_590;
+        out[51*so] = d_591;
+        out[52*so] = d_592;
+        out[53*so] = d_593;
+        out[54*so] = d_594;
+        out[55*so] = d_595;
+        out[56*so] = d_596;
+        out[57*so] = d_597;
+        out[58*so] = d_598;
+        out[59*so] = d_599;
+        out[60*so] = d_600;
+        out[61*so] = d_601;
+        out[62*so] = d_602;
+        out[63*so] = d_603;
+        out[64*so] = d_608;
+        out[65*so] = d_609;
+        out[66*so] = d_610;
+        out[67*so] = d_611;
+        out[68*so] = d_612;
+        out[69*so] = d_613;
+        out[70*so] = d_614;
+        out[71*so] = d_615;
+        out[72*so] = d_616;
+        out[73*so] = d_617;
+        out[74*so] = d_618;
+        out[75*so] = d_619;
+        out[76*so] = d_620;
+        out[77*so] = d_621;
+        out[78*so] = d_622;
+        out[79*so] = d_623;
+        out[80*so] = d_628;
+        out[81*so] = d_629;
+        out[82*so] = d_630;
+        out[83*so] = d_631;
+        out[84*so] = d_632;
+        out[85*so] = d_633;
+        out[86*so] = d_634;
+        out[87*so] = d_635;
+        out[88*so] = d_636;
+        out[89*so] = d_637;
+        out[90*so] = d_638;
+        out[91*so] = d_639;
+        out[92*so] = d_640;
+        out[93*so] = d_641;
+        out[94*so] = d_642;
+        out[95*so] = d_643;
+        out[96*so] = d_648;
+        out[97*so] = d_649;
+        out[98*so] = d_650;
+        out[99*so] = d_651;
+        out[100*so] = d_652;
+        out[101*so] = d_653;
+        out[102*so] = d_654;
+        out[103*so] = d_655;
+        out[104*so] = d_656;
+        out[105*so] = d_657;
+        out[106*so] = d_658;
+        out[107*so] = d_659;
+        out[108*so] = d_660;
+        out[109*so] = d_661;
+        out[110*so] = d_662;
+        out[111*so] = d_663;
+        out[112*so] = d_668;
+        out[113*so] = d_669;
+        out[114*so] = d_670;
+        out[115*so] = d_671;
+        out[116*so] = d_672;
+        out[117*so] = d_673;
+        out[118*so] = d_674;
+        out[119*so] = d_675;
+        out[120*so] = d_676;
+        out[121*so] = d_677;
+        out[122*so] = d_678;
+        out[123*so] = d_679;
+        out[124*so] = d_680;
+        out[125*so] = d_681;
+        out[126*so] = d_682;
+        out[127*so] = d_683;
+        out[128*so] = d_688;
+        out[129*so] = d_689;
+        out[130*so] = d_690;
+        out[131*so] = d_691;
+        out[132*so] = d_692;
+        out[133*so] = d_693;
+        out[134*so] = d_694;
+        out[135*so] = d_695;
+        out[136*so] = d_696;
+        out[137*so] = d_697;
+        out[138*so] = d_698;
+        out[139*so] = d_699;
+        out[140*so] = d_700;
+        out[141*so] = d_701;
+        out[142*so] = d_702;
+        out[143*so] = d_703;
+        out[144*so] = d_708;
+        out[145*so] = d_709;
+        out[146*so] = d_710;
+        out[147*so] = d_711;
+        out[148*so] = d_712;
+        out[149*so] = d_713;
+        out[150*so] = d_714;
+        out[151*so] = d_715;
+        out[152*so] = d_716;
+        out[153*so] = d_717;
+        out[154*so] = d_718;
+        out[155*so] = d_719;
+        out[156*so] = d_720;
+        out[157*so] = d_721;
+        out[158*so] = d_722;
+        out[159*so] = d_723;
+        out[160*so] = d_728;
+        out[161*so] = d_729;
+        out[162*so] = d_730;
+        out[163*so] = d_731;
+        out[164*so] = d_732;
+        out[165*so] = d_733;
+        out[166*so] = d_734;
+        out[167*so] = d_735;
+        out[168*so] = d_736;
+        out[169*so] = d_737;
+        out[170*so] = d_738;
+        out[171*so] = d_739;
+        out[172*so] = d_740;
+        out[173*so] = d_741;
+        out[174*so] = d_742;
+        out[175*so] = d_743;
+        out[176*so] = d_748;
+        out[177*so] = d_749;
+        out[178*so] = d_750;
+        out[179*so] = d_751;
+        out[180*so] = d_752;
+        out[181*so] = d_753;
+        out[182*so] = d_754;
+        out[183*so] = d_755;
+        out[184*so] = d_756;
+        out[185*so] = d_757;
+        out[186*so] = d_758;
+        out[187*so] = d_759;
+        out[188*so] = d_760;
+        out[189*so] = d_761;
+        out[190*so] = d_762;
+        out[191*so] = d_763;
+        out[192*so] = d_768;
+        out[193*so] = d_769;
+        out[194*so] = d_770;
+        out[195*so] = d_771;
+        out[196*so] = d_772;
+        out[197*so] = d_773;
+        out[198*so] = d_774;
+        out[199*so] = d_775;
+        out[200*so] = d_776;
+        out[201*so] = d_777;
+        out[202*so] = d_778;
+        out[203*so] = d_779;
+        out[204*so] = d_780;
+        out[205*so] = d_781;
+        out[206*so] = d_782;
+        out[207*so] = d_783;
+        out[208*so] = d_788;
+        out[209*so] = d_789;
+        out[210*so] = d_790;
+        out[211*so] = d_791;
+        out[212*so] = d_792;
+        out[213*so] = d_793;
+        out[214*so] = d_794;
+        out[215*so] = d_795;
+        out[216*so] = d_796;
+        out[217*so] = d_797;
+        out[218*so] = d_798;
+        out[219*so] = d_799;
+        out[220*so] = d_800;
+        out[221*so] = d_801;
+        out[222*so] = d_802;
+        out[223*so] = d_803;
+        out[224*so] = d_808;
+        out[225*so] = d_809;
+        out[226*so] = d_810;
+        out[227*so] = d_811;
+        out[228*so] = d_812;
+        out[229*so] = d_813;
+        out[230*so] = d_814;
+        out[231*so] = d_815;
+        out[232*so] = d_816;
+        out[233*so] = d_817;
+        out[234*so] = d_818;
+        out[235*so] = d_819;
+        out[236*so] = d_820;
+        out[237*so] = d_821;
+        out[238*so] = d_822;
+        out[239*so] = d_823;
+        out[240*so] = d_828;
+        out[241*so] = d_829;
+        out[242*so] = d_830;
+        out[243*so] = d_831;
+        out[244*so] = d_832;
+        out[245*so] = d_833;
+        out[246*so] = d_834;
+        out[247*so] = d_835;
+        out[248*so] = d_836;
+        out[249*so] = d_837;
+        out[250*so] = d_838;
+        out[251*so] = d_839;
+        out[252*so] = d_840;
+        out[253*so] = d_841;
+        out[254*so] = d_842;
+        out[255*so] = d_843;
+        out[256*so] = d_848;
+        out[257*so] = d_849;
+        out[258*so] = d_850;
+        out[259*so] = d_851;
+        out[260*so] = d_852;
+        out[261*so] = d_853;
+        out[262*so] = d_854;
+        out[263*so] = d_855;
+        out[264*so] = d_856;
+        out[265*so] = d_857;
+        out[266*so] = d_858;
+        out[267*so] = d_859;
+        out[268*so] = d_860;
+        out[269*so] = d_861;
+        out[270*so] = d_862;
+        out[271*so] = d_863;
     }
-    static void attention_tied_softmax_L2_T4_r2_mixing(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r2_jacobian, 16, 272)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r2_mixing_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double z_0_0 = in[0];
-        const double z_0_1 = in[1];
-        const double z_0_2 = in[2];
-        const double z_0_3 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
-        const double z_1_2 = in[6];
-        const double z_1_3 = in[7];
+        const double z_0_0 = in[0*si];
+        const double z_0_1 = in[1*si];
+        const double z_0_2 = in[2*si];
+        const double z_0_3 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
+        const double z_1_2 = in[6*si];
+        const double z_1_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0) + (z_1_0*z_1_0);
@@ -4409,7 +4456,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2) + (z_1_2*z_1_2);
         const double M_8 = z_0_2*z_0_3 + z_1_2*z_1_3;
         const double M_9 = (z_0_3*z_0_3) + (z_1_3*z_1_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -4420,7 +4467,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -4431,7 +4478,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -4442,7 +4489,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -4517,57 +4564,82 @@ cdef extern from *:
     ));
         const double schur_74 = -mul_73*schur_69 + schur_72;
         const double ldet_75 = log(fabs(piv_54*schur_56*schur_68*schur_74));
-        out[0] = Phi_50;
-        out[1] = sig_17;
-        out[2] = sig_18;
-        out[3] = sig_19;
-        out[4] = sig_26;
-        out[5] = Phi_51;
-        out[6] = sig_28;
-        out[7] = sig_29;
-        out[8] = sig_36;
-        out[9] = sig_37;
-        out[10] = Phi_52;
-        out[11] = sig_39;
-        out[12] = sig_46;
-        out[13] = sig_47;
-        out[14] = sig_48;
-        out[15] = Phi_53;
-        out[16] = ldet_75;
+        out[0*so] = Phi_50;
+        out[1*so] = sig_17;
+        out[2*so] = sig_18;
+        out[3*so] = sig_19;
+        out[4*so] = sig_26;
+        out[5*so] = Phi_51;
+        out[6*so] = sig_28;
+        out[7*so] = sig_29;
+        out[8*so] = sig_36;
+        out[9*so] = sig_37;
+        out[10*so] = Phi_52;
+        out[11*so] = sig_39;
+        out[12*so] = sig_46;
+        out[13*so] = sig_47;
+        out[14*so] = sig_48;
+        out[15*so] = Phi_53;
+        out[16*so] = ldet_75;
     }
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r2_mixing, 8, 17)
     """
     void attention_tied_softmax_L2_T2_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r1_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_mixing_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r2_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r2_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r2_mixing_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_mixing_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r2_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r2_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r2_mixing_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_mixing_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r2_forward(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r2_forward_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r2_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r2_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r2_mixing(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r2_mixing_rows(const double*, const double*, double*, long) nogil
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
+ctypedef void (*rows_t)(const double*, const double*, double*, long) noexcept nogil
+
+cdef extern from *:
+    enum: SMI_ROWS  # samples per call of a rows function (OpenMP shares these blocks)
 
 
 cdef class Kernel:
-    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over i)."""
+    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over blocks of
+    SMI_ROWS samples, each by the kernel's rows function)."""
     cdef kernel_t f
+    cdef rows_t rows
     cdef readonly str name
     cdef readonly int n_in, n_out, n_par
 
     def __call__(self, const double[:, ::1] x, const double[::1] params, double[:, ::1] out,
                  int threads=0):
-        cdef Py_ssize_t i, n = x.shape[0]
-        cdef kernel_t f = self.f
+        cdef Py_ssize_t b, n = x.shape[0]
+        cdef rows_t rows = self.rows
         cdef const double* p = &params[0]
         if x.shape[1] != self.n_in or out.shape[1] != self.n_out or out.shape[0] != n:
             raise ValueError(f"{self.name}: x must be (n, {self.n_in}) and out (n, {self.n_out})")
@@ -4576,8 +4648,8 @@ cdef class Kernel:
         if threads <= 0:
             threads = omp_get_max_threads()
         with nogil:
-            for i in prange(n, num_threads=threads, schedule="static"):
-                f(&x[i, 0], p, &out[i, 0])
+            for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
+                rows(&x[b * SMI_ROWS, 0], p, &out[b * SMI_ROWS, 0], min(SMI_ROWS, n - b * SMI_ROWS))
 
 
     def capsule(self):
@@ -4585,29 +4657,29 @@ cdef class Kernel:
         return PyCapsule_New(<void*>self.f, "smi_kernel", NULL)
 
 
-cdef Kernel _kernel(kernel_t f, str name, int n_in, int n_out, int n_par):
+cdef Kernel _kernel(kernel_t f, rows_t rows, str name, int n_in, int n_out, int n_par):
     cdef Kernel k = Kernel.__new__(Kernel)
-    k.f, k.name, k.n_in, k.n_out, k.n_par = f, name, n_in, n_out, n_par
+    k.f, k.rows, k.name, k.n_in, k.n_out, k.n_par = f, rows, name, n_in, n_out, n_par
     return k
 
 
 KERNELS = {
-    "attention_tied_softmax_L2_T2_r1_forward": _kernel(attention_tied_softmax_L2_T2_r1_forward, "attention_tied_softmax_L2_T2_r1_forward", 4, 4, 2),
-    "attention_tied_softmax_L2_T2_r1_jacobian": _kernel(attention_tied_softmax_L2_T2_r1_jacobian, "attention_tied_softmax_L2_T2_r1_jacobian", 4, 20, 2),
-    "attention_tied_softmax_L2_T2_r1_mixing": _kernel(attention_tied_softmax_L2_T2_r1_mixing, "attention_tied_softmax_L2_T2_r1_mixing", 2, 5, 2),
-    "attention_tied_softmax_L2_T2_r2_forward": _kernel(attention_tied_softmax_L2_T2_r2_forward, "attention_tied_softmax_L2_T2_r2_forward", 8, 4, 2),
-    "attention_tied_softmax_L2_T2_r2_jacobian": _kernel(attention_tied_softmax_L2_T2_r2_jacobian, "attention_tied_softmax_L2_T2_r2_jacobian", 8, 36, 2),
-    "attention_tied_softmax_L2_T2_r2_mixing": _kernel(attention_tied_softmax_L2_T2_r2_mixing, "attention_tied_softmax_L2_T2_r2_mixing", 4, 5, 2),
-    "attention_tied_softmax_L2_T3_r1_forward": _kernel(attention_tied_softmax_L2_T3_r1_forward, "attention_tied_softmax_L2_T3_r1_forward", 6, 9, 2),
-    "attention_tied_softmax_L2_T3_r1_jacobian": _kernel(attention_tied_softmax_L2_T3_r1_jacobian, "attention_tied_softmax_L2_T3_r1_jacobian", 6, 63, 2),
-    "attention_tied_softmax_L2_T3_r1_mixing": _kernel(attention_tied_softmax_L2_T3_r1_mixing, "attention_tied_softmax_L2_T3_r1_mixing", 3, 10, 2),
-    "attention_tied_softmax_L2_T3_r2_forward": _kernel(attention_tied_softmax_L2_T3_r2_forward, "attention_tied_softmax_L2_T3_r2_forward", 12, 9, 2),
-    "attention_tied_softmax_L2_T3_r2_jacobian": _kernel(attention_tied_softmax_L2_T3_r2_jacobian, "attention_tied_softmax_L2_T3_r2_jacobian", 12, 117, 2),
-    "attention_tied_softmax_L2_T3_r2_mixing": _kernel(attention_tied_softmax_L2_T3_r2_mixing, "attention_tied_softmax_L2_T3_r2_mixing", 6, 10, 2),
-    "attention_tied_softmax_L2_T4_r1_forward": _kernel(attention_tied_softmax_L2_T4_r1_forward, "attention_tied_softmax_L2_T4_r1_forward", 8, 16, 2),
-    "attention_tied_softmax_L2_T4_r1_jacobian": _kernel(attention_tied_softmax_L2_T4_r1_jacobian, "attention_tied_softmax_L2_T4_r1_jacobian", 8, 144, 2),
-    "attention_tied_softmax_L2_T4_r1_mixing": _kernel(attention_tied_softmax_L2_T4_r1_mixing, "attention_tied_softmax_L2_T4_r1_mixing", 4, 17, 2),
-    "attention_tied_softmax_L2_T4_r2_forward": _kernel(attention_tied_softmax_L2_T4_r2_forward, "attention_tied_softmax_L2_T4_r2_forward", 16, 16, 2),
-    "attention_tied_softmax_L2_T4_r2_jacobian": _kernel(attention_tied_softmax_L2_T4_r2_jacobian, "attention_tied_softmax_L2_T4_r2_jacobian", 16, 272, 2),
-    "attention_tied_softmax_L2_T4_r2_mixing": _kernel(attention_tied_softmax_L2_T4_r2_mixing, "attention_tied_softmax_L2_T4_r2_mixing", 8, 17, 2),
+    "attention_tied_softmax_L2_T2_r1_forward": _kernel(attention_tied_softmax_L2_T2_r1_forward, attention_tied_softmax_L2_T2_r1_forward_rows, "attention_tied_softmax_L2_T2_r1_forward", 4, 4, 2),
+    "attention_tied_softmax_L2_T2_r1_jacobian": _kernel(attention_tied_softmax_L2_T2_r1_jacobian, attention_tied_softmax_L2_T2_r1_jacobian_rows, "attention_tied_softmax_L2_T2_r1_jacobian", 4, 20, 2),
+    "attention_tied_softmax_L2_T2_r1_mixing": _kernel(attention_tied_softmax_L2_T2_r1_mixing, attention_tied_softmax_L2_T2_r1_mixing_rows, "attention_tied_softmax_L2_T2_r1_mixing", 2, 5, 2),
+    "attention_tied_softmax_L2_T2_r2_forward": _kernel(attention_tied_softmax_L2_T2_r2_forward, attention_tied_softmax_L2_T2_r2_forward_rows, "attention_tied_softmax_L2_T2_r2_forward", 8, 4, 2),
+    "attention_tied_softmax_L2_T2_r2_jacobian": _kernel(attention_tied_softmax_L2_T2_r2_jacobian, attention_tied_softmax_L2_T2_r2_jacobian_rows, "attention_tied_softmax_L2_T2_r2_jacobian", 8, 36, 2),
+    "attention_tied_softmax_L2_T2_r2_mixing": _kernel(attention_tied_softmax_L2_T2_r2_mixing, attention_tied_softmax_L2_T2_r2_mixing_rows, "attention_tied_softmax_L2_T2_r2_mixing", 4, 5, 2),
+    "attention_tied_softmax_L2_T3_r1_forward": _kernel(attention_tied_softmax_L2_T3_r1_forward, attention_tied_softmax_L2_T3_r1_forward_rows, "attention_tied_softmax_L2_T3_r1_forward", 6, 9, 2),
+    "attention_tied_softmax_L2_T3_r1_jacobian": _kernel(attention_tied_softmax_L2_T3_r1_jacobian, attention_tied_softmax_L2_T3_r1_jacobian_rows, "attention_tied_softmax_L2_T3_r1_jacobian", 6, 63, 2),
+    "attention_tied_softmax_L2_T3_r1_mixing": _kernel(attention_tied_softmax_L2_T3_r1_mixing, attention_tied_softmax_L2_T3_r1_mixing_rows, "attention_tied_softmax_L2_T3_r1_mixing", 3, 10, 2),
+    "attention_tied_softmax_L2_T3_r2_forward": _kernel(attention_tied_softmax_L2_T3_r2_forward, attention_tied_softmax_L2_T3_r2_forward_rows, "attention_tied_softmax_L2_T3_r2_forward", 12, 9, 2),
+    "attention_tied_softmax_L2_T3_r2_jacobian": _kernel(attention_tied_softmax_L2_T3_r2_jacobian, attention_tied_softmax_L2_T3_r2_jacobian_rows, "attention_tied_softmax_L2_T3_r2_jacobian", 12, 117, 2),
+    "attention_tied_softmax_L2_T3_r2_mixing": _kernel(attention_tied_softmax_L2_T3_r2_mixing, attention_tied_softmax_L2_T3_r2_mixing_rows, "attention_tied_softmax_L2_T3_r2_mixing", 6, 10, 2),
+    "attention_tied_softmax_L2_T4_r1_forward": _kernel(attention_tied_softmax_L2_T4_r1_forward, attention_tied_softmax_L2_T4_r1_forward_rows, "attention_tied_softmax_L2_T4_r1_forward", 8, 16, 2),
+    "attention_tied_softmax_L2_T4_r1_jacobian": _kernel(attention_tied_softmax_L2_T4_r1_jacobian, attention_tied_softmax_L2_T4_r1_jacobian_rows, "attention_tied_softmax_L2_T4_r1_jacobian", 8, 144, 2),
+    "attention_tied_softmax_L2_T4_r1_mixing": _kernel(attention_tied_softmax_L2_T4_r1_mixing, attention_tied_softmax_L2_T4_r1_mixing_rows, "attention_tied_softmax_L2_T4_r1_mixing", 4, 17, 2),
+    "attention_tied_softmax_L2_T4_r2_forward": _kernel(attention_tied_softmax_L2_T4_r2_forward, attention_tied_softmax_L2_T4_r2_forward_rows, "attention_tied_softmax_L2_T4_r2_forward", 16, 16, 2),
+    "attention_tied_softmax_L2_T4_r2_jacobian": _kernel(attention_tied_softmax_L2_T4_r2_jacobian, attention_tied_softmax_L2_T4_r2_jacobian_rows, "attention_tied_softmax_L2_T4_r2_jacobian", 16, 272, 2),
+    "attention_tied_softmax_L2_T4_r2_mixing": _kernel(attention_tied_softmax_L2_T4_r2_mixing, attention_tied_softmax_L2_T4_r2_mixing_rows, "attention_tied_softmax_L2_T4_r2_mixing", 8, 17, 2),
 }

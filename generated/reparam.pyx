@@ -8,12 +8,42 @@ from openmp cimport omp_get_max_threads
 cdef extern from *:
     """
     #include <math.h>
-    static void attention_tied_softmax_L1_T2_r1_reparam(const double *in, const double *par, double *out)
+    #if defined(SMI_MVEC) && defined(__x86_64__) && defined(__GLIBC__)
+    /* glibc's vector exp and log (libmvec; the build defines SMI_MVEC where it links it): the
+       rows loops vectorise over the samples */
+    #pragma omp declare simd notinbranch
+    double exp(double);
+    #pragma omp declare simd notinbranch
+    double log(double);
+    #endif
+    /* fmax(a, b) as a select (libm's fmax stops the vectoriser) */
+    static inline double smi_fmax(double a, double b) { return a > b || b != b ? a : b; }
+    /* Each kernel NAME_at (codegen.printer) gives NAME, one sample's row, and NAME_rows, n ≤
+       SMI_ROWS consecutive rows: copied into columns, the loop over them (the kernel inlined,
+       unit-stride loads and stores) vectorises, then copied back. */
+    #define SMI_INLINE __attribute__((always_inline))
+    #define SMI_ROWS 32
+    #define SMI_KERNEL(NAME, N_IN, N_OUT) \
+    static void NAME(const double *in, const double *par, double *out) { NAME##_at(in, 1, par, out, 1); } \
+    static void NAME##_rows(const double *in, const double *par, double *out, long n) \
+    { \
+        double a[N_IN * SMI_ROWS], o[N_OUT * SMI_ROWS]; \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_IN; j++) \
+                a[j * SMI_ROWS + i] = in[N_IN * i + j]; \
+        _Pragma("omp simd") \
+        for (long i = 0; i < n; i++) \
+            NAME##_at(a + i, SMI_ROWS, par, o + i, SMI_ROWS); \
+        for (long i = 0; i < n; i++) \
+            for (int j = 0; j < N_OUT; j++) \
+                out[N_OUT * i + j] = o[j * SMI_ROWS + i]; \
+    }
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_1_0 = in[2];
-        const double y_1_1 = in[3];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_1_0 = in[2*si];
+        const double y_1_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -30,62 +60,64 @@ cdef extern from *:
         const double x2 = us_8 - ut_7;
         const double res_9 = beta*(-ell_4 + ut_7*x2);
         const double res_10 = beta*(-ell_5 - us_8*x2);
-        out[0] = ut_7;
-        out[1] = us_8;
-        out[2] = ut_7;
-        out[3] = us_8;
-        out[4] = 0;
-        out[5] = res_9;
-        out[6] = res_10;
+        out[0*so] = ut_7;
+        out[1*so] = us_8;
+        out[2*so] = ut_7;
+        out[3*so] = us_8;
+        out[4*so] = 0;
+        out[5*so] = res_9;
+        out[6*so] = res_10;
     }
-    static void attention_tied_softmax_L1_T2_r1_chart(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r1_reparam, 4, 7)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T2_r1_chart_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double x_0_0 = in[0];
-        const double x_0_1 = in[1];
+        const double x_0_0 = in[0*si];
+        const double x_0_1 = in[1*si];
         const double c = par[0];
         const double beta = par[1];
         const double x0 = (1.0/(x_0_0));
         const double x1 = (x_0_0*x_0_0) + x_0_1;
         const double ut_0 = x0*x1;
         const double us_1 = x0*x_0_1;
-        const double m_2 = fmax(0, -x1);
+        const double m_2 = smi_fmax(0, -x1);
         const double e_3 = exp(-beta*m_2);
         const double e_4 = exp(beta*(-m_2 - x1));
         const double w_5 = (1.0/(e_3 + e_4));
         const double sig_6 = e_3*w_5;
         const double sig_7 = e_4*w_5;
-        const double m_8 = fmax(0, x_0_1);
+        const double m_8 = smi_fmax(0, x_0_1);
         const double e_9 = exp(beta*(-m_8 + x_0_1));
         const double e_10 = exp(-beta*m_8);
         const double w_11 = (1.0/(e_10 + e_9));
         const double sig_12 = e_9*w_11;
         const double sig_13 = e_10*w_11;
         const double ld_14 = log(x0);
-        out[0] = ut_0;
-        out[1] = us_1;
-        out[2] = sig_6;
-        out[3] = sig_7;
-        out[4] = sig_12;
-        out[5] = sig_13;
-        out[6] = ld_14;
-        out[7] = x_0_1;
-        out[8] = 0;
-        out[9] = 1;
-        out[10] = x_0_1;
-        out[11] = 0;
-        out[12] = 0;
+        out[0*so] = ut_0;
+        out[1*so] = us_1;
+        out[2*so] = sig_6;
+        out[3*so] = sig_7;
+        out[4*so] = sig_12;
+        out[5*so] = sig_13;
+        out[6*so] = ld_14;
+        out[7*so] = x_0_1;
+        out[8*so] = 0;
+        out[9*so] = 1;
+        out[10*so] = x_0_1;
+        out[11*so] = 0;
+        out[12*so] = 0;
     }
-    static void attention_tied_softmax_L1_T3_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T2_r1_chart, 2, 13)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T3_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_1_0 = in[3];
-        const double y_1_1 = in[4];
-        const double y_1_2 = in[5];
-        const double y_2_0 = in[6];
-        const double y_2_1 = in[7];
-        const double y_2_2 = in[8];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_1_0 = in[3*si];
+        const double y_1_1 = in[4*si];
+        const double y_1_2 = in[5*si];
+        const double y_2_0 = in[6*si];
+        const double y_2_1 = in[7*si];
+        const double y_2_2 = in[8*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -171,38 +203,39 @@ cdef extern from *:
         const double res_36 = beta*(-ell_12 - u_31*x19);
         const double res_37 = beta*(-ell_13 + u_32*x18);
         const double res_38 = beta*(-ell_14 + u_32*x19);
-        out[0] = u_30;
-        out[1] = u_31;
-        out[2] = u_32;
-        out[3] = u_30;
-        out[4] = u_31;
-        out[5] = u_32;
-        out[6] = 0;
-        out[7] = res_33;
-        out[8] = res_34;
-        out[9] = res_35;
-        out[10] = res_36;
-        out[11] = res_37;
-        out[12] = res_38;
+        out[0*so] = u_30;
+        out[1*so] = u_31;
+        out[2*so] = u_32;
+        out[3*so] = u_30;
+        out[4*so] = u_31;
+        out[5*so] = u_32;
+        out[6*so] = 0;
+        out[7*so] = res_33;
+        out[8*so] = res_34;
+        out[9*so] = res_35;
+        out[10*so] = res_36;
+        out[11*so] = res_37;
+        out[12*so] = res_38;
     }
-    static void attention_tied_softmax_L1_T4_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T3_r1_reparam, 9, 13)
+    static inline SMI_INLINE void attention_tied_softmax_L1_T4_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_0_3 = in[3];
-        const double y_1_0 = in[4];
-        const double y_1_1 = in[5];
-        const double y_1_2 = in[6];
-        const double y_1_3 = in[7];
-        const double y_2_0 = in[8];
-        const double y_2_1 = in[9];
-        const double y_2_2 = in[10];
-        const double y_2_3 = in[11];
-        const double y_3_0 = in[12];
-        const double y_3_1 = in[13];
-        const double y_3_2 = in[14];
-        const double y_3_3 = in[15];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_0_3 = in[3*si];
+        const double y_1_0 = in[4*si];
+        const double y_1_1 = in[5*si];
+        const double y_1_2 = in[6*si];
+        const double y_1_3 = in[7*si];
+        const double y_2_0 = in[8*si];
+        const double y_2_1 = in[9*si];
+        const double y_2_2 = in[10*si];
+        const double y_2_3 = in[11*si];
+        const double y_3_0 = in[12*si];
+        const double y_3_1 = in[13*si];
+        const double y_3_2 = in[14*si];
+        const double y_3_3 = in[15*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -392,36 +425,37 @@ cdef extern from *:
         const double res_77 = beta*(-ell_25 + u_67*x35);
         const double res_78 = beta*(-ell_26 + u_67*x37);
         const double res_79 = beta*(-ell_27 + u_67*x38);
-        out[0] = u_64;
-        out[1] = u_65;
-        out[2] = u_66;
-        out[3] = u_67;
-        out[4] = u_64;
-        out[5] = u_65;
-        out[6] = u_66;
-        out[7] = u_67;
-        out[8] = 0;
-        out[9] = res_68;
-        out[10] = res_69;
-        out[11] = res_70;
-        out[12] = res_71;
-        out[13] = res_72;
-        out[14] = res_73;
-        out[15] = res_74;
-        out[16] = res_75;
-        out[17] = res_76;
-        out[18] = res_77;
-        out[19] = res_78;
-        out[20] = res_79;
+        out[0*so] = u_64;
+        out[1*so] = u_65;
+        out[2*so] = u_66;
+        out[3*so] = u_67;
+        out[4*so] = u_64;
+        out[5*so] = u_65;
+        out[6*so] = u_66;
+        out[7*so] = u_67;
+        out[8*so] = 0;
+        out[9*so] = res_68;
+        out[10*so] = res_69;
+        out[11*so] = res_70;
+        out[12*so] = res_71;
+        out[13*so] = res_72;
+        out[14*so] = res_73;
+        out[15*so] = res_74;
+        out[16*so] = res_75;
+        out[17*so] = res_76;
+        out[18*so] = res_77;
+        out[19*so] = res_78;
+        out[20*so] = res_79;
     }
-    static void attention_tied_softmax_L2_T2_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L1_T4_r1_reparam, 16, 21)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_1_0 = in[2];
-        const double y_1_1 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_1_0 = in[2*si];
+        const double y_1_1 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -442,14 +476,14 @@ cdef extern from *:
         const double M_11 = (z_0_0*z_0_0);
         const double M_12 = z_0_0*z_0_1;
         const double M_13 = (z_0_1*z_0_1);
-        const double m_14 = fmax(M_11, M_12);
+        const double m_14 = smi_fmax(M_11, M_12);
         const double x4 = -m_14;
         const double e_15 = exp(beta*(M_11 + x4));
         const double e_16 = exp(beta*(M_12 + x4));
         const double w_17 = (1.0/(e_15 + e_16));
         const double sig_18 = e_15*w_17;
         const double sig_19 = e_16*w_17;
-        const double m_20 = fmax(M_12, M_13);
+        const double m_20 = smi_fmax(M_12, M_13);
         const double x5 = -m_20;
         const double e_21 = exp(beta*(M_12 + x5));
         const double e_22 = exp(beta*(M_13 + x5));
@@ -469,33 +503,34 @@ cdef extern from *:
         const double fwd_30 = -mul_27*ut_7 + us_8;
         const double bwd_31 = fwd_30/schur_28;
         const double bwd_32 = x6*(-bwd_31*sig_19 - x2);
-        out[0] = ut_7;
-        out[1] = us_8;
-        out[2] = bwd_32;
-        out[3] = bwd_31;
-        out[4] = ldet_29;
-        out[5] = res_9;
-        out[6] = res_10;
+        out[0*so] = ut_7;
+        out[1*so] = us_8;
+        out[2*so] = bwd_32;
+        out[3*so] = bwd_31;
+        out[4*so] = ldet_29;
+        out[5*so] = res_9;
+        out[6*so] = res_10;
     }
-    static void attention_tied_softmax_L2_T2_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_reparam, 6, 7)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double z_0_0 = in[2];
-        const double z_0_1 = in[3];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double z_0_0 = in[2*si];
+        const double z_0_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -515,16 +550,17 @@ cdef extern from *:
         const double fwd_19 = -mul_16*u_0_0 + u_1_0;
         const double bwd_20 = fwd_19/schur_17;
         const double bwd_21 = x2*(-bwd_20*sig_8 + u_0_0);
-        out[0] = bwd_21;
-        out[1] = bwd_20;
-        out[2] = ldet_18;
+        out[0*so] = bwd_21;
+        out[1*so] = bwd_20;
+        out[2*so] = ldet_18;
     }
-    static void attention_tied_softmax_L2_T2_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_node, 4, 3)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T2_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double z_0_0 = in[2];
-        const double z_0_1 = in[3];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double z_0_0 = in[2*si];
+        const double z_0_1 = in[3*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -532,7 +568,7 @@ cdef extern from *:
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
         const double p_23 = 2*z_0_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -549,7 +585,7 @@ cdef extern from *:
         const double p_29 = x1;
         const double d_30 = p_22*p_28 + p_29*z_0_1;
         const double d_31 = p_29*z_0_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -621,30 +657,31 @@ cdef extern from *:
         const double p_61 = -bwd_20*x6;
         const double d_62 = d_26*p_60 + d_30*p_61 + d_57*p_59;
         const double d_63 = d_27*p_60 + d_31*p_61 + d_58*p_59;
-        out[0] = bwd_21;
-        out[1] = bwd_20;
-        out[2] = ldet_18;
-        out[3] = d_62;
-        out[4] = d_63;
-        out[5] = d_57;
-        out[6] = d_58;
-        out[7] = d_50;
-        out[8] = d_51;
+        out[0*so] = bwd_21;
+        out[1*so] = bwd_20;
+        out[2*so] = ldet_18;
+        out[3*so] = d_62;
+        out[4*so] = d_63;
+        out[5*so] = d_57;
+        out[6*so] = d_58;
+        out[7*so] = d_50;
+        out[8*so] = d_51;
     }
-    static void attention_tied_softmax_L2_T3_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T2_r1_node_jacobian, 4, 9)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_1_0 = in[3];
-        const double y_1_1 = in[4];
-        const double y_1_2 = in[5];
-        const double y_2_0 = in[6];
-        const double y_2_1 = in[7];
-        const double y_2_2 = in[8];
-        const double z_0_0 = in[9];
-        const double z_0_1 = in[10];
-        const double z_0_2 = in[11];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_1_0 = in[3*si];
+        const double y_1_1 = in[4*si];
+        const double y_1_2 = in[5*si];
+        const double y_2_0 = in[6*si];
+        const double y_2_1 = in[7*si];
+        const double y_2_2 = in[8*si];
+        const double z_0_0 = in[9*si];
+        const double z_0_1 = in[10*si];
+        const double z_0_2 = in[11*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -737,7 +774,7 @@ cdef extern from *:
         const double M_42 = (z_0_1*z_0_1);
         const double M_43 = z_0_1*z_0_2;
         const double M_44 = (z_0_2*z_0_2);
-        const double m_45 = fmax(M_39, fmax(M_40, M_41));
+        const double m_45 = smi_fmax(smi_fmax(M_39, M_40), M_41);
         const double x21 = -m_45;
         const double e_46 = exp(beta*(M_39 + x21));
         const double e_47 = exp(beta*(M_40 + x21));
@@ -746,7 +783,7 @@ cdef extern from *:
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
-        const double m_53 = fmax(M_40, fmax(M_42, M_43));
+        const double m_53 = smi_fmax(smi_fmax(M_40, M_42), M_43);
         const double x22 = -m_53;
         const double e_54 = exp(beta*(M_40 + x22));
         const double e_55 = exp(beta*(M_42 + x22));
@@ -755,7 +792,7 @@ cdef extern from *:
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
-        const double m_61 = fmax(M_41, fmax(M_43, M_44));
+        const double m_61 = smi_fmax(smi_fmax(M_41, M_43), M_44);
         const double x23 = -m_61;
         const double e_62 = exp(beta*(M_41 + x23));
         const double e_63 = exp(beta*(M_43 + x23));
@@ -797,28 +834,29 @@ cdef extern from *:
         const double bwd_81 = fwd_80/schur_77;
         const double bwd_82 = x26*(-bwd_81*schur_72 + fwd_79);
         const double bwd_83 = x24*(-bwd_81*sig_52 - bwd_82*sig_51 + u_30);
-        out[0] = u_30;
-        out[1] = u_31;
-        out[2] = u_32;
-        out[3] = bwd_83;
-        out[4] = bwd_82;
-        out[5] = bwd_81;
-        out[6] = ldet_78;
-        out[7] = res_33;
-        out[8] = res_34;
-        out[9] = res_35;
-        out[10] = res_36;
-        out[11] = res_37;
-        out[12] = res_38;
+        out[0*so] = u_30;
+        out[1*so] = u_31;
+        out[2*so] = u_32;
+        out[3*so] = bwd_83;
+        out[4*so] = bwd_82;
+        out[5*so] = bwd_81;
+        out[6*so] = ldet_78;
+        out[7*so] = res_33;
+        out[8*so] = res_34;
+        out[9*so] = res_35;
+        out[10*so] = res_36;
+        out[11*so] = res_37;
+        out[12*so] = res_38;
     }
-    static void attention_tied_softmax_L2_T3_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_reparam, 12, 13)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double z_0_0 = in[3];
-        const double z_0_1 = in[4];
-        const double z_0_2 = in[5];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double z_0_0 = in[3*si];
+        const double z_0_1 = in[4*si];
+        const double z_0_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -827,7 +865,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1);
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -836,7 +874,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -845,7 +883,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -887,19 +925,20 @@ cdef extern from *:
         const double bwd_42 = fwd_41/schur_38;
         const double bwd_43 = x5*(-bwd_42*schur_33 + fwd_40);
         const double bwd_44 = x3*(-bwd_42*sig_13 - bwd_43*sig_12 + u_0_0);
-        out[0] = bwd_44;
-        out[1] = bwd_43;
-        out[2] = bwd_42;
-        out[3] = ldet_39;
+        out[0*so] = bwd_44;
+        out[1*so] = bwd_43;
+        out[2*so] = bwd_42;
+        out[3*so] = ldet_39;
     }
-    static void attention_tied_softmax_L2_T3_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_node, 6, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T3_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double z_0_0 = in[3];
-        const double z_0_1 = in[4];
-        const double z_0_2 = in[5];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double z_0_0 = in[3*si];
+        const double z_0_1 = in[4*si];
+        const double z_0_2 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -911,7 +950,7 @@ cdef extern from *:
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
         const double p_47 = 2*z_0_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -945,7 +984,7 @@ cdef extern from *:
         const double d_63 = p_45*p_60 + p_61*z_0_1 + p_62*z_0_2;
         const double d_64 = p_61*z_0_0;
         const double d_65 = p_62*z_0_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -979,7 +1018,7 @@ cdef extern from *:
         const double d_81 = p_78*z_0_1;
         const double d_82 = p_46*p_79 + p_78*z_0_0 + p_80*z_0_2;
         const double d_83 = p_80*z_0_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -1166,45 +1205,46 @@ cdef extern from *:
         const double d_175 = d_160*p_170 + d_167*p_171 + d_51*p_172 + d_57*p_173 + d_63*p_174;
         const double d_176 = d_161*p_170 + d_168*p_171 + d_52*p_172 + d_58*p_173 + d_64*p_174;
         const double d_177 = d_162*p_170 + d_169*p_171 + d_53*p_172 + d_59*p_173 + d_65*p_174;
-        out[0] = bwd_44;
-        out[1] = bwd_43;
-        out[2] = bwd_42;
-        out[3] = ldet_39;
-        out[4] = d_175;
-        out[5] = d_176;
-        out[6] = d_177;
-        out[7] = d_167;
-        out[8] = d_168;
-        out[9] = d_169;
-        out[10] = d_160;
-        out[11] = d_161;
-        out[12] = d_162;
-        out[13] = d_145;
-        out[14] = d_146;
-        out[15] = d_147;
+        out[0*so] = bwd_44;
+        out[1*so] = bwd_43;
+        out[2*so] = bwd_42;
+        out[3*so] = ldet_39;
+        out[4*so] = d_175;
+        out[5*so] = d_176;
+        out[6*so] = d_177;
+        out[7*so] = d_167;
+        out[8*so] = d_168;
+        out[9*so] = d_169;
+        out[10*so] = d_160;
+        out[11*so] = d_161;
+        out[12*so] = d_162;
+        out[13*so] = d_145;
+        out[14*so] = d_146;
+        out[15*so] = d_147;
     }
-    static void attention_tied_softmax_L2_T4_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T3_r1_node_jacobian, 6, 16)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_0_3 = in[3];
-        const double y_1_0 = in[4];
-        const double y_1_1 = in[5];
-        const double y_1_2 = in[6];
-        const double y_1_3 = in[7];
-        const double y_2_0 = in[8];
-        const double y_2_1 = in[9];
-        const double y_2_2 = in[10];
-        const double y_2_3 = in[11];
-        const double y_3_0 = in[12];
-        const double y_3_1 = in[13];
-        const double y_3_2 = in[14];
-        const double y_3_3 = in[15];
-        const double z_0_0 = in[16];
-        const double z_0_1 = in[17];
-        const double z_0_2 = in[18];
-        const double z_0_3 = in[19];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_0_3 = in[3*si];
+        const double y_1_0 = in[4*si];
+        const double y_1_1 = in[5*si];
+        const double y_1_2 = in[6*si];
+        const double y_1_3 = in[7*si];
+        const double y_2_0 = in[8*si];
+        const double y_2_1 = in[9*si];
+        const double y_2_2 = in[10*si];
+        const double y_2_3 = in[11*si];
+        const double y_3_0 = in[12*si];
+        const double y_3_1 = in[13*si];
+        const double y_3_2 = in[14*si];
+        const double y_3_3 = in[15*si];
+        const double z_0_0 = in[16*si];
+        const double z_0_1 = in[17*si];
+        const double z_0_2 = in[18*si];
+        const double z_0_3 = in[19*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -1405,7 +1445,7 @@ cdef extern from *:
         const double M_87 = (z_0_2*z_0_2);
         const double M_88 = z_0_2*z_0_3;
         const double M_89 = (z_0_3*z_0_3);
-        const double m_90 = fmax(M_80, fmax(M_81, fmax(M_82, M_83)));
+        const double m_90 = smi_fmax(smi_fmax(smi_fmax(M_80, M_81), M_82), M_83);
         const double x40 = -m_90;
         const double e_91 = exp(beta*(M_80 + x40));
         const double e_92 = exp(beta*(M_81 + x40));
@@ -1416,7 +1456,7 @@ cdef extern from *:
         const double sig_97 = e_92*w_95;
         const double sig_98 = e_93*w_95;
         const double sig_99 = e_94*w_95;
-        const double m_100 = fmax(M_81, fmax(M_84, fmax(M_85, M_86)));
+        const double m_100 = smi_fmax(smi_fmax(smi_fmax(M_81, M_84), M_85), M_86);
         const double x41 = -m_100;
         const double e_101 = exp(beta*(M_81 + x41));
         const double e_102 = exp(beta*(M_84 + x41));
@@ -1427,7 +1467,7 @@ cdef extern from *:
         const double sig_107 = e_102*w_105;
         const double sig_108 = e_103*w_105;
         const double sig_109 = e_104*w_105;
-        const double m_110 = fmax(M_82, fmax(M_85, fmax(M_87, M_88)));
+        const double m_110 = smi_fmax(smi_fmax(smi_fmax(M_82, M_85), M_87), M_88);
         const double x42 = -m_110;
         const double e_111 = exp(beta*(M_82 + x42));
         const double e_112 = exp(beta*(M_85 + x42));
@@ -1438,7 +1478,7 @@ cdef extern from *:
         const double sig_117 = e_112*w_115;
         const double sig_118 = e_113*w_115;
         const double sig_119 = e_114*w_115;
-        const double m_120 = fmax(M_83, fmax(M_86, fmax(M_88, M_89)));
+        const double m_120 = smi_fmax(smi_fmax(smi_fmax(M_83, M_86), M_88), M_89);
         const double x43 = -m_120;
         const double e_121 = exp(beta*(M_83 + x43));
         const double e_122 = exp(beta*(M_86 + x43));
@@ -1513,38 +1553,39 @@ cdef extern from *:
         const double bwd_156 = x48*(-bwd_155*schur_145 + fwd_153);
         const double bwd_157 = x46*(-bwd_155*schur_134 - bwd_156*schur_133 + fwd_152);
         const double bwd_158 = x44*(-bwd_155*sig_99 - bwd_156*sig_98 - bwd_157*sig_97 + u_64);
-        out[0] = u_64;
-        out[1] = u_65;
-        out[2] = u_66;
-        out[3] = u_67;
-        out[4] = bwd_158;
-        out[5] = bwd_157;
-        out[6] = bwd_156;
-        out[7] = bwd_155;
-        out[8] = ldet_151;
-        out[9] = res_68;
-        out[10] = res_69;
-        out[11] = res_70;
-        out[12] = res_71;
-        out[13] = res_72;
-        out[14] = res_73;
-        out[15] = res_74;
-        out[16] = res_75;
-        out[17] = res_76;
-        out[18] = res_77;
-        out[19] = res_78;
-        out[20] = res_79;
+        out[0*so] = u_64;
+        out[1*so] = u_65;
+        out[2*so] = u_66;
+        out[3*so] = u_67;
+        out[4*so] = bwd_158;
+        out[5*so] = bwd_157;
+        out[6*so] = bwd_156;
+        out[7*so] = bwd_155;
+        out[8*so] = ldet_151;
+        out[9*so] = res_68;
+        out[10*so] = res_69;
+        out[11*so] = res_70;
+        out[12*so] = res_71;
+        out[13*so] = res_72;
+        out[14*so] = res_73;
+        out[15*so] = res_74;
+        out[16*so] = res_75;
+        out[17*so] = res_76;
+        out[18*so] = res_77;
+        out[19*so] = res_78;
+        out[20*so] = res_79;
     }
-    static void attention_tied_softmax_L2_T4_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_reparam, 20, 21)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double u_3_0 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
-        const double z_0_2 = in[6];
-        const double z_0_3 = in[7];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double u_3_0 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
+        const double z_0_2 = in[6*si];
+        const double z_0_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -1557,7 +1598,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2);
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -1568,7 +1609,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -1579,7 +1620,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -1590,7 +1631,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -1665,22 +1706,23 @@ cdef extern from *:
         const double bwd_76 = x8*(-bwd_75*schur_65 + fwd_73);
         const double bwd_77 = x6*(-bwd_75*schur_54 - bwd_76*schur_53 + fwd_72);
         const double bwd_78 = x4*(-bwd_75*sig_19 - bwd_76*sig_18 - bwd_77*sig_17 + u_0_0);
-        out[0] = bwd_78;
-        out[1] = bwd_77;
-        out[2] = bwd_76;
-        out[3] = bwd_75;
-        out[4] = ldet_71;
+        out[0*so] = bwd_78;
+        out[1*so] = bwd_77;
+        out[2*so] = bwd_76;
+        out[3*so] = bwd_75;
+        out[4*so] = ldet_71;
     }
-    static void attention_tied_softmax_L2_T4_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_node, 8, 5)
+    static inline SMI_INLINE void attention_tied_softmax_L2_T4_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double u_3_0 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
-        const double z_0_2 = in[6];
-        const double z_0_3 = in[7];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double u_3_0 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
+        const double z_0_2 = in[6*si];
+        const double z_0_3 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -1697,7 +1739,7 @@ cdef extern from *:
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
         const double p_82 = 2*z_0_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -1753,7 +1795,7 @@ cdef extern from *:
         const double d_112 = p_108*z_0_0;
         const double d_113 = p_109*z_0_0;
         const double d_114 = p_110*z_0_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -1809,7 +1851,7 @@ cdef extern from *:
         const double d_144 = p_139*z_0_0 + p_140*p_80 + p_141*z_0_2 + p_142*z_0_3;
         const double d_145 = p_141*z_0_1;
         const double d_146 = p_142*z_0_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -1865,7 +1907,7 @@ cdef extern from *:
         const double d_176 = p_172*z_0_2;
         const double d_177 = p_171*z_0_0 + p_172*z_0_1 + p_173*p_81 + p_174*z_0_3;
         const double d_178 = p_174*z_0_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -2243,42 +2285,43 @@ cdef extern from *:
         const double d_392 = d_104*p_389 + d_112*p_390 + d_363*p_384 + d_371*p_385 + d_381*p_386 + d_88*p_387 + d_96*p_388;
         const double d_393 = d_105*p_389 + d_113*p_390 + d_364*p_384 + d_372*p_385 + d_382*p_386 + d_89*p_387 + d_97*p_388;
         const double d_394 = d_106*p_389 + d_114*p_390 + d_365*p_384 + d_373*p_385 + d_383*p_386 + d_90*p_387 + d_98*p_388;
-        out[0] = bwd_78;
-        out[1] = bwd_77;
-        out[2] = bwd_76;
-        out[3] = bwd_75;
-        out[4] = ldet_71;
-        out[5] = d_391;
-        out[6] = d_392;
-        out[7] = d_393;
-        out[8] = d_394;
-        out[9] = d_380;
-        out[10] = d_381;
-        out[11] = d_382;
-        out[12] = d_383;
-        out[13] = d_370;
-        out[14] = d_371;
-        out[15] = d_372;
-        out[16] = d_373;
-        out[17] = d_362;
-        out[18] = d_363;
-        out[19] = d_364;
-        out[20] = d_365;
-        out[21] = d_335;
-        out[22] = d_336;
-        out[23] = d_337;
-        out[24] = d_338;
+        out[0*so] = bwd_78;
+        out[1*so] = bwd_77;
+        out[2*so] = bwd_76;
+        out[3*so] = bwd_75;
+        out[4*so] = ldet_71;
+        out[5*so] = d_391;
+        out[6*so] = d_392;
+        out[7*so] = d_393;
+        out[8*so] = d_394;
+        out[9*so] = d_380;
+        out[10*so] = d_381;
+        out[11*so] = d_382;
+        out[12*so] = d_383;
+        out[13*so] = d_370;
+        out[14*so] = d_371;
+        out[15*so] = d_372;
+        out[16*so] = d_373;
+        out[17*so] = d_362;
+        out[18*so] = d_363;
+        out[19*so] = d_364;
+        out[20*so] = d_365;
+        out[21*so] = d_335;
+        out[22*so] = d_336;
+        out[23*so] = d_337;
+        out[24*so] = d_338;
     }
-    static void attention_tied_softmax_L3_T2_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L2_T4_r1_node_jacobian, 8, 25)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T2_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_1_0 = in[2];
-        const double y_1_1 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
-        const double z_1_0 = in[6];
-        const double z_1_1 = in[7];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_1_0 = in[2*si];
+        const double y_1_1 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
+        const double z_1_0 = in[6*si];
+        const double z_1_1 = in[7*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -2299,14 +2342,14 @@ cdef extern from *:
         const double M_11 = (z_0_0*z_0_0);
         const double M_12 = z_0_0*z_0_1;
         const double M_13 = (z_0_1*z_0_1);
-        const double m_14 = fmax(M_11, M_12);
+        const double m_14 = smi_fmax(M_11, M_12);
         const double x4 = -m_14;
         const double e_15 = exp(beta*(M_11 + x4));
         const double e_16 = exp(beta*(M_12 + x4));
         const double w_17 = (1.0/(e_15 + e_16));
         const double sig_18 = e_15*w_17;
         const double sig_19 = e_16*w_17;
-        const double m_20 = fmax(M_12, M_13);
+        const double m_20 = smi_fmax(M_12, M_13);
         const double x5 = -m_20;
         const double e_21 = exp(beta*(M_12 + x5));
         const double e_22 = exp(beta*(M_13 + x5));
@@ -2322,14 +2365,14 @@ cdef extern from *:
         const double M_30 = (u_28*u_28);
         const double M_31 = u_28*u_29;
         const double M_32 = (u_29*u_29);
-        const double m_33 = fmax(M_30, M_31);
+        const double m_33 = smi_fmax(M_30, M_31);
         const double x8 = -m_33;
         const double e_34 = exp(beta*(M_30 + x8));
         const double e_35 = exp(beta*(M_31 + x8));
         const double w_36 = (1.0/(e_34 + e_35));
         const double sig_37 = e_34*w_36;
         const double sig_38 = e_35*w_36;
-        const double m_39 = fmax(M_31, M_32);
+        const double m_39 = smi_fmax(M_31, M_32);
         const double x9 = -m_39;
         const double e_40 = exp(beta*(M_31 + x9));
         const double e_41 = exp(beta*(M_32 + x9));
@@ -2363,35 +2406,36 @@ cdef extern from *:
         const double fwd_57 = bwd_55 - bwd_56*mul_46;
         const double bwd_58 = fwd_57/schur_47;
         const double bwd_59 = x10*(bwd_56 - bwd_58*sig_19);
-        out[0] = ut_7;
-        out[1] = us_8;
-        out[2] = bwd_59;
-        out[3] = bwd_58;
-        out[4] = logdet_53;
-        out[5] = res_9;
-        out[6] = res_10;
+        out[0*so] = ut_7;
+        out[1*so] = us_8;
+        out[2*so] = bwd_59;
+        out[3*so] = bwd_58;
+        out[4*so] = logdet_53;
+        out[5*so] = res_9;
+        out[6*so] = res_10;
     }
-    static void attention_tied_softmax_L3_T2_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T2_r1_reparam, 8, 7)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T2_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double z_0_0 = in[2];
-        const double z_0_1 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double z_0_0 = in[2*si];
+        const double z_0_1 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
         const double w_6 = (1.0/(e_4 + e_5));
         const double sig_7 = e_4*w_6;
         const double sig_8 = e_5*w_6;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x1 = -m_9;
         const double e_10 = exp(beta*(M_1 + x1));
         const double e_11 = exp(beta*(M_2 + x1));
@@ -2407,14 +2451,14 @@ cdef extern from *:
         const double M_19 = (u_17*u_17);
         const double M_20 = u_17*u_18;
         const double M_21 = (u_18*u_18);
-        const double m_22 = fmax(M_19, M_20);
+        const double m_22 = smi_fmax(M_19, M_20);
         const double x4 = -m_22;
         const double e_23 = exp(beta*(M_19 + x4));
         const double e_24 = exp(beta*(M_20 + x4));
         const double w_25 = (1.0/(e_23 + e_24));
         const double sig_26 = e_23*w_25;
         const double sig_27 = e_24*w_25;
-        const double m_28 = fmax(M_20, M_21);
+        const double m_28 = smi_fmax(M_20, M_21);
         const double x5 = -m_28;
         const double e_29 = exp(beta*(M_20 + x5));
         const double e_30 = exp(beta*(M_21 + x5));
@@ -2448,18 +2492,19 @@ cdef extern from *:
         const double fwd_46 = bwd_44 - bwd_45*mul_35;
         const double bwd_47 = fwd_46/schur_36;
         const double bwd_48 = x6*(bwd_45 - bwd_47*sig_8);
-        out[0] = bwd_48;
-        out[1] = bwd_47;
-        out[2] = logdet_42;
+        out[0*so] = bwd_48;
+        out[1*so] = bwd_47;
+        out[2*so] = logdet_42;
     }
-    static void attention_tied_softmax_L3_T2_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T2_r1_node, 6, 3)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T2_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double z_0_0 = in[2];
-        const double z_0_1 = in[3];
-        const double z_1_0 = in[4];
-        const double z_1_1 = in[5];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double z_0_0 = in[2*si];
+        const double z_0_1 = in[3*si];
+        const double z_1_0 = in[4*si];
+        const double z_1_1 = in[5*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -2467,7 +2512,7 @@ cdef extern from *:
         const double M_1 = z_0_0*z_0_1;
         const double M_2 = (z_0_1*z_0_1);
         const double p_50 = 2*z_0_1;
-        const double m_3 = fmax(M_0, M_1);
+        const double m_3 = smi_fmax(M_0, M_1);
         const double x0 = -m_3;
         const double e_4 = exp(beta*(M_0 + x0));
         const double e_5 = exp(beta*(M_1 + x0));
@@ -2484,7 +2529,7 @@ cdef extern from *:
         const double p_56 = x1;
         const double d_57 = p_49*p_55 + p_56*z_0_1;
         const double d_58 = p_56*z_0_0;
-        const double m_9 = fmax(M_1, M_2);
+        const double m_9 = smi_fmax(M_1, M_2);
         const double x3 = -m_9;
         const double e_10 = exp(beta*(M_1 + x3));
         const double e_11 = exp(beta*(M_2 + x3));
@@ -2528,7 +2573,7 @@ cdef extern from *:
         const double d_82 = d_70*p_80;
         const double d_83 = p_80*sig_13;
         const double d_84 = Phi_16*p_80;
-        const double m_22 = fmax(M_19, M_20);
+        const double m_22 = smi_fmax(M_19, M_20);
         const double x8 = -m_22;
         const double e_23 = exp(beta*(M_19 + x8));
         const double e_24 = exp(beta*(M_20 + x8));
@@ -2549,7 +2594,7 @@ cdef extern from *:
         const double d_94 = d_73*p_91 + d_77*p_92;
         const double d_95 = d_74*p_91 + d_78*p_92;
         const double d_96 = d_75*p_91 + d_79*p_92;
-        const double m_28 = fmax(M_20, M_21);
+        const double m_28 = smi_fmax(M_20, M_21);
         const double x11 = -m_28;
         const double e_29 = exp(beta*(M_20 + x11));
         const double e_30 = exp(beta*(M_21 + x11));
@@ -2703,39 +2748,40 @@ cdef extern from *:
         const double d_176 = d_156*p_171 + d_168*p_172 + d_54*p_173 + d_58*p_174;
         const double d_177 = d_157*p_171 + d_169*p_172;
         const double d_178 = d_158*p_171 + d_170*p_172;
-        out[0] = bwd_48;
-        out[1] = bwd_47;
-        out[2] = logdet_42;
-        out[3] = d_175;
-        out[4] = d_176;
-        out[5] = d_177;
-        out[6] = d_178;
-        out[7] = d_167;
-        out[8] = d_168;
-        out[9] = d_169;
-        out[10] = d_170;
-        out[11] = d_139;
-        out[12] = d_140;
-        out[13] = d_137;
-        out[14] = d_138;
+        out[0*so] = bwd_48;
+        out[1*so] = bwd_47;
+        out[2*so] = logdet_42;
+        out[3*so] = d_175;
+        out[4*so] = d_176;
+        out[5*so] = d_177;
+        out[6*so] = d_178;
+        out[7*so] = d_167;
+        out[8*so] = d_168;
+        out[9*so] = d_169;
+        out[10*so] = d_170;
+        out[11*so] = d_139;
+        out[12*so] = d_140;
+        out[13*so] = d_137;
+        out[14*so] = d_138;
     }
-    static void attention_tied_softmax_L3_T3_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T2_r1_node_jacobian, 6, 15)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T3_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_1_0 = in[3];
-        const double y_1_1 = in[4];
-        const double y_1_2 = in[5];
-        const double y_2_0 = in[6];
-        const double y_2_1 = in[7];
-        const double y_2_2 = in[8];
-        const double z_0_0 = in[9];
-        const double z_0_1 = in[10];
-        const double z_0_2 = in[11];
-        const double z_1_0 = in[12];
-        const double z_1_1 = in[13];
-        const double z_1_2 = in[14];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_1_0 = in[3*si];
+        const double y_1_1 = in[4*si];
+        const double y_1_2 = in[5*si];
+        const double y_2_0 = in[6*si];
+        const double y_2_1 = in[7*si];
+        const double y_2_2 = in[8*si];
+        const double z_0_0 = in[9*si];
+        const double z_0_1 = in[10*si];
+        const double z_0_2 = in[11*si];
+        const double z_1_0 = in[12*si];
+        const double z_1_1 = in[13*si];
+        const double z_1_2 = in[14*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -2828,7 +2874,7 @@ cdef extern from *:
         const double M_42 = (z_0_1*z_0_1);
         const double M_43 = z_0_1*z_0_2;
         const double M_44 = (z_0_2*z_0_2);
-        const double m_45 = fmax(M_39, fmax(M_40, M_41));
+        const double m_45 = smi_fmax(smi_fmax(M_39, M_40), M_41);
         const double x21 = -m_45;
         const double e_46 = exp(beta*(M_39 + x21));
         const double e_47 = exp(beta*(M_40 + x21));
@@ -2837,7 +2883,7 @@ cdef extern from *:
         const double sig_50 = e_46*w_49;
         const double sig_51 = e_47*w_49;
         const double sig_52 = e_48*w_49;
-        const double m_53 = fmax(M_40, fmax(M_42, M_43));
+        const double m_53 = smi_fmax(smi_fmax(M_40, M_42), M_43);
         const double x22 = -m_53;
         const double e_54 = exp(beta*(M_40 + x22));
         const double e_55 = exp(beta*(M_42 + x22));
@@ -2846,7 +2892,7 @@ cdef extern from *:
         const double sig_58 = e_54*w_57;
         const double sig_59 = e_55*w_57;
         const double sig_60 = e_56*w_57;
-        const double m_61 = fmax(M_41, fmax(M_43, M_44));
+        const double m_61 = smi_fmax(smi_fmax(M_41, M_43), M_44);
         const double x23 = -m_61;
         const double e_62 = exp(beta*(M_41 + x23));
         const double e_63 = exp(beta*(M_43 + x23));
@@ -2870,7 +2916,7 @@ cdef extern from *:
         const double M_78 = (u_73*u_73);
         const double M_79 = u_73*u_74;
         const double M_80 = (u_74*u_74);
-        const double m_81 = fmax(M_75, fmax(M_76, M_77));
+        const double m_81 = smi_fmax(smi_fmax(M_75, M_76), M_77);
         const double x27 = -m_81;
         const double e_82 = exp(beta*(M_75 + x27));
         const double e_83 = exp(beta*(M_76 + x27));
@@ -2879,7 +2925,7 @@ cdef extern from *:
         const double sig_86 = e_82*w_85;
         const double sig_87 = e_83*w_85;
         const double sig_88 = e_84*w_85;
-        const double m_89 = fmax(M_76, fmax(M_78, M_79));
+        const double m_89 = smi_fmax(smi_fmax(M_76, M_78), M_79);
         const double x28 = -m_89;
         const double e_90 = exp(beta*(M_76 + x28));
         const double e_91 = exp(beta*(M_78 + x28));
@@ -2888,7 +2934,7 @@ cdef extern from *:
         const double sig_94 = e_90*w_93;
         const double sig_95 = e_91*w_93;
         const double sig_96 = e_92*w_93;
-        const double m_97 = fmax(M_77, fmax(M_79, M_80));
+        const double m_97 = smi_fmax(smi_fmax(M_77, M_79), M_80);
         const double x29 = -m_97;
         const double e_98 = exp(beta*(M_77 + x29));
         const double e_99 = exp(beta*(M_79 + x29));
@@ -2964,31 +3010,32 @@ cdef extern from *:
         const double bwd_133 = fwd_132/schur_113;
         const double bwd_134 = x32*(-bwd_133*schur_108 + fwd_131);
         const double bwd_135 = x30*(bwd_130 - bwd_133*sig_52 - bwd_134*sig_51);
-        out[0] = u_30;
-        out[1] = u_31;
-        out[2] = u_32;
-        out[3] = bwd_135;
-        out[4] = bwd_134;
-        out[5] = bwd_133;
-        out[6] = logdet_125;
-        out[7] = res_33;
-        out[8] = res_34;
-        out[9] = res_35;
-        out[10] = res_36;
-        out[11] = res_37;
-        out[12] = res_38;
+        out[0*so] = u_30;
+        out[1*so] = u_31;
+        out[2*so] = u_32;
+        out[3*so] = bwd_135;
+        out[4*so] = bwd_134;
+        out[5*so] = bwd_133;
+        out[6*so] = logdet_125;
+        out[7*so] = res_33;
+        out[8*so] = res_34;
+        out[9*so] = res_35;
+        out[10*so] = res_36;
+        out[11*so] = res_37;
+        out[12*so] = res_38;
     }
-    static void attention_tied_softmax_L3_T3_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T3_r1_reparam, 15, 13)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T3_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double z_0_0 = in[3];
-        const double z_0_1 = in[4];
-        const double z_0_2 = in[5];
-        const double z_1_0 = in[6];
-        const double z_1_1 = in[7];
-        const double z_1_2 = in[8];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double z_0_0 = in[3*si];
+        const double z_0_1 = in[4*si];
+        const double z_0_2 = in[5*si];
+        const double z_1_0 = in[6*si];
+        const double z_1_1 = in[7*si];
+        const double z_1_2 = in[8*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -2997,7 +3044,7 @@ cdef extern from *:
         const double M_3 = (z_0_1*z_0_1);
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -3006,7 +3053,7 @@ cdef extern from *:
         const double sig_11 = e_7*w_10;
         const double sig_12 = e_8*w_10;
         const double sig_13 = e_9*w_10;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x1 = -m_14;
         const double e_15 = exp(beta*(M_1 + x1));
         const double e_16 = exp(beta*(M_3 + x1));
@@ -3015,7 +3062,7 @@ cdef extern from *:
         const double sig_19 = e_15*w_18;
         const double sig_20 = e_16*w_18;
         const double sig_21 = e_17*w_18;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x2 = -m_22;
         const double e_23 = exp(beta*(M_2 + x2));
         const double e_24 = exp(beta*(M_4 + x2));
@@ -3039,7 +3086,7 @@ cdef extern from *:
         const double M_39 = (u_34*u_34);
         const double M_40 = u_34*u_35;
         const double M_41 = (u_35*u_35);
-        const double m_42 = fmax(M_36, fmax(M_37, M_38));
+        const double m_42 = smi_fmax(smi_fmax(M_36, M_37), M_38);
         const double x6 = -m_42;
         const double e_43 = exp(beta*(M_36 + x6));
         const double e_44 = exp(beta*(M_37 + x6));
@@ -3048,7 +3095,7 @@ cdef extern from *:
         const double sig_47 = e_43*w_46;
         const double sig_48 = e_44*w_46;
         const double sig_49 = e_45*w_46;
-        const double m_50 = fmax(M_37, fmax(M_39, M_40));
+        const double m_50 = smi_fmax(smi_fmax(M_37, M_39), M_40);
         const double x7 = -m_50;
         const double e_51 = exp(beta*(M_37 + x7));
         const double e_52 = exp(beta*(M_39 + x7));
@@ -3057,7 +3104,7 @@ cdef extern from *:
         const double sig_55 = e_51*w_54;
         const double sig_56 = e_52*w_54;
         const double sig_57 = e_53*w_54;
-        const double m_58 = fmax(M_38, fmax(M_40, M_41));
+        const double m_58 = smi_fmax(smi_fmax(M_38, M_40), M_41);
         const double x8 = -m_58;
         const double e_59 = exp(beta*(M_38 + x8));
         const double e_60 = exp(beta*(M_40 + x8));
@@ -3133,22 +3180,23 @@ cdef extern from *:
         const double bwd_94 = fwd_93/schur_74;
         const double bwd_95 = x11*(-bwd_94*schur_69 + fwd_92);
         const double bwd_96 = x9*(bwd_91 - bwd_94*sig_13 - bwd_95*sig_12);
-        out[0] = bwd_96;
-        out[1] = bwd_95;
-        out[2] = bwd_94;
-        out[3] = logdet_86;
+        out[0*so] = bwd_96;
+        out[1*so] = bwd_95;
+        out[2*so] = bwd_94;
+        out[3*so] = logdet_86;
     }
-    static void attention_tied_softmax_L3_T3_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T3_r1_node, 9, 4)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T3_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double z_0_0 = in[3];
-        const double z_0_1 = in[4];
-        const double z_0_2 = in[5];
-        const double z_1_0 = in[6];
-        const double z_1_1 = in[7];
-        const double z_1_2 = in[8];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double z_0_0 = in[3*si];
+        const double z_0_1 = in[4*si];
+        const double z_0_2 = in[5*si];
+        const double z_1_0 = in[6*si];
+        const double z_1_1 = in[7*si];
+        const double z_1_2 = in[8*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -3160,7 +3208,7 @@ cdef extern from *:
         const double M_4 = z_0_1*z_0_2;
         const double M_5 = (z_0_2*z_0_2);
         const double p_99 = 2*z_0_2;
-        const double m_6 = fmax(M_0, fmax(M_1, M_2));
+        const double m_6 = smi_fmax(smi_fmax(M_0, M_1), M_2);
         const double x0 = -m_6;
         const double e_7 = exp(beta*(M_0 + x0));
         const double e_8 = exp(beta*(M_1 + x0));
@@ -3194,7 +3242,7 @@ cdef extern from *:
         const double d_115 = p_112*p_97 + p_113*z_0_1 + p_114*z_0_2;
         const double d_116 = p_113*z_0_0;
         const double d_117 = p_114*z_0_0;
-        const double m_14 = fmax(M_1, fmax(M_3, M_4));
+        const double m_14 = smi_fmax(smi_fmax(M_1, M_3), M_4);
         const double x8 = -m_14;
         const double e_15 = exp(beta*(M_1 + x8));
         const double e_16 = exp(beta*(M_3 + x8));
@@ -3228,7 +3276,7 @@ cdef extern from *:
         const double d_133 = p_130*z_0_1;
         const double d_134 = p_130*z_0_0 + p_131*p_98 + p_132*z_0_2;
         const double d_135 = p_132*z_0_1;
-        const double m_22 = fmax(M_2, fmax(M_4, M_5));
+        const double m_22 = smi_fmax(smi_fmax(M_2, M_4), M_5);
         const double x16 = -m_22;
         const double e_23 = exp(beta*(M_2 + x16));
         const double e_24 = exp(beta*(M_4 + x16));
@@ -3325,7 +3373,7 @@ cdef extern from *:
         const double d_199 = p_195*sig_27;
         const double d_200 = p_195*sig_28;
         const double d_201 = Phi_32*p_195;
-        const double m_42 = fmax(M_36, fmax(M_37, M_38));
+        const double m_42 = smi_fmax(smi_fmax(M_36, M_37), M_38);
         const double x27 = -m_42;
         const double e_43 = exp(beta*(M_36 + x27));
         const double e_44 = exp(beta*(M_37 + x27));
@@ -3368,7 +3416,7 @@ cdef extern from *:
         const double d_226 = d_167*p_220 + d_173*p_221 + d_179*p_222;
         const double d_227 = d_168*p_220 + d_174*p_221 + d_180*p_222;
         const double d_228 = d_169*p_220 + d_175*p_221 + d_181*p_222;
-        const double m_50 = fmax(M_37, fmax(M_39, M_40));
+        const double m_50 = smi_fmax(smi_fmax(M_37, M_39), M_40);
         const double x35 = -m_50;
         const double e_51 = exp(beta*(M_37 + x35));
         const double e_52 = exp(beta*(M_39 + x35));
@@ -3411,7 +3459,7 @@ cdef extern from *:
         const double d_253 = d_173*p_247 + d_186*p_248 + d_192*p_249;
         const double d_254 = d_174*p_247 + d_187*p_248 + d_193*p_249;
         const double d_255 = d_175*p_247 + d_188*p_248 + d_194*p_249;
-        const double m_58 = fmax(M_38, fmax(M_40, M_41));
+        const double m_58 = smi_fmax(smi_fmax(M_38, M_40), M_41);
         const double x43 = -m_58;
         const double e_59 = exp(beta*(M_38 + x43));
         const double e_60 = exp(beta*(M_40 + x43));
@@ -3824,61 +3872,62 @@ cdef extern from *:
         const double d_495 = d_447*p_486 + d_473*p_487 + d_483*p_488;
         const double d_496 = d_448*p_486 + d_474*p_487 + d_484*p_488;
         const double d_497 = d_449*p_486 + d_475*p_487 + d_485*p_488;
-        out[0] = bwd_96;
-        out[1] = bwd_95;
-        out[2] = bwd_94;
-        out[3] = logdet_86;
-        out[4] = d_492;
-        out[5] = d_493;
-        out[6] = d_494;
-        out[7] = d_495;
-        out[8] = d_496;
-        out[9] = d_497;
-        out[10] = d_480;
-        out[11] = d_481;
-        out[12] = d_482;
-        out[13] = d_483;
-        out[14] = d_484;
-        out[15] = d_485;
-        out[16] = d_470;
-        out[17] = d_471;
-        out[18] = d_472;
-        out[19] = d_473;
-        out[20] = d_474;
-        out[21] = d_475;
-        out[22] = d_402;
-        out[23] = d_403;
-        out[24] = d_404;
-        out[25] = d_399;
-        out[26] = d_400;
-        out[27] = d_401;
+        out[0*so] = bwd_96;
+        out[1*so] = bwd_95;
+        out[2*so] = bwd_94;
+        out[3*so] = logdet_86;
+        out[4*so] = d_492;
+        out[5*so] = d_493;
+        out[6*so] = d_494;
+        out[7*so] = d_495;
+        out[8*so] = d_496;
+        out[9*so] = d_497;
+        out[10*so] = d_480;
+        out[11*so] = d_481;
+        out[12*so] = d_482;
+        out[13*so] = d_483;
+        out[14*so] = d_484;
+        out[15*so] = d_485;
+        out[16*so] = d_470;
+        out[17*so] = d_471;
+        out[18*so] = d_472;
+        out[19*so] = d_473;
+        out[20*so] = d_474;
+        out[21*so] = d_475;
+        out[22*so] = d_402;
+        out[23*so] = d_403;
+        out[24*so] = d_404;
+        out[25*so] = d_399;
+        out[26*so] = d_400;
+        out[27*so] = d_401;
     }
-    static void attention_tied_softmax_L3_T4_r1_reparam(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T3_r1_node_jacobian, 9, 28)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T4_r1_reparam_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double y_0_0 = in[0];
-        const double y_0_1 = in[1];
-        const double y_0_2 = in[2];
-        const double y_0_3 = in[3];
-        const double y_1_0 = in[4];
-        const double y_1_1 = in[5];
-        const double y_1_2 = in[6];
-        const double y_1_3 = in[7];
-        const double y_2_0 = in[8];
-        const double y_2_1 = in[9];
-        const double y_2_2 = in[10];
-        const double y_2_3 = in[11];
-        const double y_3_0 = in[12];
-        const double y_3_1 = in[13];
-        const double y_3_2 = in[14];
-        const double y_3_3 = in[15];
-        const double z_0_0 = in[16];
-        const double z_0_1 = in[17];
-        const double z_0_2 = in[18];
-        const double z_0_3 = in[19];
-        const double z_1_0 = in[20];
-        const double z_1_1 = in[21];
-        const double z_1_2 = in[22];
-        const double z_1_3 = in[23];
+        const double y_0_0 = in[0*si];
+        const double y_0_1 = in[1*si];
+        const double y_0_2 = in[2*si];
+        const double y_0_3 = in[3*si];
+        const double y_1_0 = in[4*si];
+        const double y_1_1 = in[5*si];
+        const double y_1_2 = in[6*si];
+        const double y_1_3 = in[7*si];
+        const double y_2_0 = in[8*si];
+        const double y_2_1 = in[9*si];
+        const double y_2_2 = in[10*si];
+        const double y_2_3 = in[11*si];
+        const double y_3_0 = in[12*si];
+        const double y_3_1 = in[13*si];
+        const double y_3_2 = in[14*si];
+        const double y_3_3 = in[15*si];
+        const double z_0_0 = in[16*si];
+        const double z_0_1 = in[17*si];
+        const double z_0_2 = in[18*si];
+        const double z_0_3 = in[19*si];
+        const double z_1_0 = in[20*si];
+        const double z_1_1 = in[21*si];
+        const double z_1_2 = in[22*si];
+        const double z_1_3 = in[23*si];
         const double c = par[0];
         const double beta = par[1];
         const double lg_0 = log(y_0_0);
@@ -4079,7 +4128,7 @@ cdef extern from *:
         const double M_87 = (z_0_2*z_0_2);
         const double M_88 = z_0_2*z_0_3;
         const double M_89 = (z_0_3*z_0_3);
-        const double m_90 = fmax(M_80, fmax(M_81, fmax(M_82, M_83)));
+        const double m_90 = smi_fmax(smi_fmax(smi_fmax(M_80, M_81), M_82), M_83);
         const double x40 = -m_90;
         const double e_91 = exp(beta*(M_80 + x40));
         const double e_92 = exp(beta*(M_81 + x40));
@@ -4090,7 +4139,7 @@ cdef extern from *:
         const double sig_97 = e_92*w_95;
         const double sig_98 = e_93*w_95;
         const double sig_99 = e_94*w_95;
-        const double m_100 = fmax(M_81, fmax(M_84, fmax(M_85, M_86)));
+        const double m_100 = smi_fmax(smi_fmax(smi_fmax(M_81, M_84), M_85), M_86);
         const double x41 = -m_100;
         const double e_101 = exp(beta*(M_81 + x41));
         const double e_102 = exp(beta*(M_84 + x41));
@@ -4101,7 +4150,7 @@ cdef extern from *:
         const double sig_107 = e_102*w_105;
         const double sig_108 = e_103*w_105;
         const double sig_109 = e_104*w_105;
-        const double m_110 = fmax(M_82, fmax(M_85, fmax(M_87, M_88)));
+        const double m_110 = smi_fmax(smi_fmax(smi_fmax(M_82, M_85), M_87), M_88);
         const double x42 = -m_110;
         const double e_111 = exp(beta*(M_82 + x42));
         const double e_112 = exp(beta*(M_85 + x42));
@@ -4112,7 +4161,7 @@ cdef extern from *:
         const double sig_117 = e_112*w_115;
         const double sig_118 = e_113*w_115;
         const double sig_119 = e_114*w_115;
-        const double m_120 = fmax(M_83, fmax(M_86, fmax(M_88, M_89)));
+        const double m_120 = smi_fmax(smi_fmax(smi_fmax(M_83, M_86), M_88), M_89);
         const double x43 = -m_120;
         const double e_121 = exp(beta*(M_83 + x43));
         const double e_122 = exp(beta*(M_86 + x43));
@@ -4145,7 +4194,7 @@ cdef extern from *:
         const double M_145 = (u_136*u_136);
         const double M_146 = u_136*u_137;
         const double M_147 = (u_137*u_137);
-        const double m_148 = fmax(M_138, fmax(M_139, fmax(M_140, M_141)));
+        const double m_148 = smi_fmax(smi_fmax(smi_fmax(M_138, M_139), M_140), M_141);
         const double x48 = -m_148;
         const double e_149 = exp(beta*(M_138 + x48));
         const double e_150 = exp(beta*(M_139 + x48));
@@ -4156,7 +4205,7 @@ cdef extern from *:
         const double sig_155 = e_150*w_153;
         const double sig_156 = e_151*w_153;
         const double sig_157 = e_152*w_153;
-        const double m_158 = fmax(M_139, fmax(M_142, fmax(M_143, M_144)));
+        const double m_158 = smi_fmax(smi_fmax(smi_fmax(M_139, M_142), M_143), M_144);
         const double x49 = -m_158;
         const double e_159 = exp(beta*(M_139 + x49));
         const double e_160 = exp(beta*(M_142 + x49));
@@ -4167,7 +4216,7 @@ cdef extern from *:
         const double sig_165 = e_160*w_163;
         const double sig_166 = e_161*w_163;
         const double sig_167 = e_162*w_163;
-        const double m_168 = fmax(M_140, fmax(M_143, fmax(M_145, M_146)));
+        const double m_168 = smi_fmax(smi_fmax(smi_fmax(M_140, M_143), M_145), M_146);
         const double x50 = -m_168;
         const double e_169 = exp(beta*(M_140 + x50));
         const double e_170 = exp(beta*(M_143 + x50));
@@ -4178,7 +4227,7 @@ cdef extern from *:
         const double sig_175 = e_170*w_173;
         const double sig_176 = e_171*w_173;
         const double sig_177 = e_172*w_173;
-        const double m_178 = fmax(M_141, fmax(M_144, fmax(M_146, M_147)));
+        const double m_178 = smi_fmax(smi_fmax(smi_fmax(M_141, M_144), M_146), M_147);
         const double x51 = -m_178;
         const double e_179 = exp(beta*(M_141 + x51));
         const double e_180 = exp(beta*(M_144 + x51));
@@ -4318,42 +4367,43 @@ cdef extern from *:
         const double bwd_244 = x56*(-bwd_243*schur_203 + fwd_241);
         const double bwd_245 = x54*(-bwd_243*schur_192 - bwd_244*schur_191 + fwd_240);
         const double bwd_246 = x52*(bwd_239 - bwd_243*sig_99 - bwd_244*sig_98 - bwd_245*sig_97);
-        out[0] = u_64;
-        out[1] = u_65;
-        out[2] = u_66;
-        out[3] = u_67;
-        out[4] = bwd_246;
-        out[5] = bwd_245;
-        out[6] = bwd_244;
-        out[7] = bwd_243;
-        out[8] = logdet_232;
-        out[9] = res_68;
-        out[10] = res_69;
-        out[11] = res_70;
-        out[12] = res_71;
-        out[13] = res_72;
-        out[14] = res_73;
-        out[15] = res_74;
-        out[16] = res_75;
-        out[17] = res_76;
-        out[18] = res_77;
-        out[19] = res_78;
-        out[20] = res_79;
+        out[0*so] = u_64;
+        out[1*so] = u_65;
+        out[2*so] = u_66;
+        out[3*so] = u_67;
+        out[4*so] = bwd_246;
+        out[5*so] = bwd_245;
+        out[6*so] = bwd_244;
+        out[7*so] = bwd_243;
+        out[8*so] = logdet_232;
+        out[9*so] = res_68;
+        out[10*so] = res_69;
+        out[11*so] = res_70;
+        out[12*so] = res_71;
+        out[13*so] = res_72;
+        out[14*so] = res_73;
+        out[15*so] = res_74;
+        out[16*so] = res_75;
+        out[17*so] = res_76;
+        out[18*so] = res_77;
+        out[19*so] = res_78;
+        out[20*so] = res_79;
     }
-    static void attention_tied_softmax_L3_T4_r1_node(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T4_r1_reparam, 24, 21)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T4_r1_node_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double u_3_0 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
-        const double z_0_2 = in[6];
-        const double z_0_3 = in[7];
-        const double z_1_0 = in[8];
-        const double z_1_1 = in[9];
-        const double z_1_2 = in[10];
-        const double z_1_3 = in[11];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double u_3_0 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
+        const double z_0_2 = in[6*si];
+        const double z_0_3 = in[7*si];
+        const double z_1_0 = in[8*si];
+        const double z_1_1 = in[9*si];
+        const double z_1_2 = in[10*si];
+        const double z_1_3 = in[11*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -4366,7 +4416,7 @@ cdef extern from *:
         const double M_7 = (z_0_2*z_0_2);
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -4377,7 +4427,7 @@ cdef extern from *:
         const double sig_17 = e_12*w_15;
         const double sig_18 = e_13*w_15;
         const double sig_19 = e_14*w_15;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x1 = -m_20;
         const double e_21 = exp(beta*(M_1 + x1));
         const double e_22 = exp(beta*(M_4 + x1));
@@ -4388,7 +4438,7 @@ cdef extern from *:
         const double sig_27 = e_22*w_25;
         const double sig_28 = e_23*w_25;
         const double sig_29 = e_24*w_25;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x2 = -m_30;
         const double e_31 = exp(beta*(M_2 + x2));
         const double e_32 = exp(beta*(M_5 + x2));
@@ -4399,7 +4449,7 @@ cdef extern from *:
         const double sig_37 = e_32*w_35;
         const double sig_38 = e_33*w_35;
         const double sig_39 = e_34*w_35;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x3 = -m_40;
         const double e_41 = exp(beta*(M_3 + x3));
         const double e_42 = exp(beta*(M_6 + x3));
@@ -4432,7 +4482,7 @@ cdef extern from *:
         const double M_65 = (u_56*u_56);
         const double M_66 = u_56*u_57;
         const double M_67 = (u_57*u_57);
-        const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
+        const double m_68 = smi_fmax(smi_fmax(smi_fmax(M_58, M_59), M_60), M_61);
         const double x8 = -m_68;
         const double e_69 = exp(beta*(M_58 + x8));
         const double e_70 = exp(beta*(M_59 + x8));
@@ -4443,7 +4493,7 @@ cdef extern from *:
         const double sig_75 = e_70*w_73;
         const double sig_76 = e_71*w_73;
         const double sig_77 = e_72*w_73;
-        const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
+        const double m_78 = smi_fmax(smi_fmax(smi_fmax(M_59, M_62), M_63), M_64);
         const double x9 = -m_78;
         const double e_79 = exp(beta*(M_59 + x9));
         const double e_80 = exp(beta*(M_62 + x9));
@@ -4454,7 +4504,7 @@ cdef extern from *:
         const double sig_85 = e_80*w_83;
         const double sig_86 = e_81*w_83;
         const double sig_87 = e_82*w_83;
-        const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
+        const double m_88 = smi_fmax(smi_fmax(smi_fmax(M_60, M_63), M_65), M_66);
         const double x10 = -m_88;
         const double e_89 = exp(beta*(M_60 + x10));
         const double e_90 = exp(beta*(M_63 + x10));
@@ -4465,7 +4515,7 @@ cdef extern from *:
         const double sig_95 = e_90*w_93;
         const double sig_96 = e_91*w_93;
         const double sig_97 = e_92*w_93;
-        const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
+        const double m_98 = smi_fmax(smi_fmax(smi_fmax(M_61, M_64), M_66), M_67);
         const double x11 = -m_98;
         const double e_99 = exp(beta*(M_61 + x11));
         const double e_100 = exp(beta*(M_64 + x11));
@@ -4605,26 +4655,27 @@ cdef extern from *:
         const double bwd_164 = x16*(-bwd_163*schur_123 + fwd_161);
         const double bwd_165 = x14*(-bwd_163*schur_112 - bwd_164*schur_111 + fwd_160);
         const double bwd_166 = x12*(bwd_159 - bwd_163*sig_19 - bwd_164*sig_18 - bwd_165*sig_17);
-        out[0] = bwd_166;
-        out[1] = bwd_165;
-        out[2] = bwd_164;
-        out[3] = bwd_163;
-        out[4] = logdet_152;
+        out[0*so] = bwd_166;
+        out[1*so] = bwd_165;
+        out[2*so] = bwd_164;
+        out[3*so] = bwd_163;
+        out[4*so] = logdet_152;
     }
-    static void attention_tied_softmax_L3_T4_r1_node_jacobian(const double *in, const double *par, double *out)
+    SMI_KERNEL(attention_tied_softmax_L3_T4_r1_node, 12, 5)
+    static inline SMI_INLINE void attention_tied_softmax_L3_T4_r1_node_jacobian_at(const double *in, long si, const double *par, double *out, long so)
     {
-        const double u_0_0 = in[0];
-        const double u_1_0 = in[1];
-        const double u_2_0 = in[2];
-        const double u_3_0 = in[3];
-        const double z_0_0 = in[4];
-        const double z_0_1 = in[5];
-        const double z_0_2 = in[6];
-        const double z_0_3 = in[7];
-        const double z_1_0 = in[8];
-        const double z_1_1 = in[9];
-        const double z_1_2 = in[10];
-        const double z_1_3 = in[11];
+        const double u_0_0 = in[0*si];
+        const double u_1_0 = in[1*si];
+        const double u_2_0 = in[2*si];
+        const double u_3_0 = in[3*si];
+        const double z_0_0 = in[4*si];
+        const double z_0_1 = in[5*si];
+        const double z_0_2 = in[6*si];
+        const double z_0_3 = in[7*si];
+        const double z_1_0 = in[8*si];
+        const double z_1_1 = in[9*si];
+        const double z_1_2 = in[10*si];
+        const double z_1_3 = in[11*si];
         const double c = par[0];
         const double beta = par[1];
         const double M_0 = (z_0_0*z_0_0);
@@ -4641,7 +4692,7 @@ cdef extern from *:
         const double M_8 = z_0_2*z_0_3;
         const double M_9 = (z_0_3*z_0_3);
         const double p_170 = 2*z_0_3;
-        const double m_10 = fmax(M_0, fmax(M_1, fmax(M_2, M_3)));
+        const double m_10 = smi_fmax(smi_fmax(smi_fmax(M_0, M_1), M_2), M_3);
         const double x0 = -m_10;
         const double e_11 = exp(beta*(M_0 + x0));
         const double e_12 = exp(beta*(M_1 + x0));
@@ -4697,7 +4748,7 @@ cdef extern from *:
         const double d_200 = p_196*z_0_0;
         const double d_201 = p_197*z_0_0;
         const double d_202 = p_198*z_0_0;
-        const double m_20 = fmax(M_1, fmax(M_4, fmax(M_5, M_6)));
+        const double m_20 = smi_fmax(smi_fmax(smi_fmax(M_1, M_4), M_5), M_6);
         const double x14 = -m_20;
         const double e_21 = exp(beta*(M_1 + x14));
         const double e_22 = exp(beta*(M_4 + x14));
@@ -4753,7 +4804,7 @@ cdef extern from *:
         const double d_232 = p_168*p_228 + p_227*z_0_0 + p_229*z_0_2 + p_230*z_0_3;
         const double d_233 = p_229*z_0_1;
         const double d_234 = p_230*z_0_1;
-        const double m_30 = fmax(M_2, fmax(M_5, fmax(M_7, M_8)));
+        const double m_30 = smi_fmax(smi_fmax(smi_fmax(M_2, M_5), M_7), M_8);
         const double x28 = -m_30;
         const double e_31 = exp(beta*(M_2 + x28));
         const double e_32 = exp(beta*(M_5 + x28));
@@ -4809,7 +4860,7 @@ cdef extern from *:
         const double d_264 = p_260*z_0_2;
         const double d_265 = p_169*p_261 + p_259*z_0_0 + p_260*z_0_1 + p_262*z_0_3;
         const double d_266 = p_262*z_0_2;
-        const double m_40 = fmax(M_3, fmax(M_6, fmax(M_8, M_9)));
+        const double m_40 = smi_fmax(smi_fmax(smi_fmax(M_3, M_6), M_8), M_9);
         const double x42 = -m_40;
         const double e_41 = exp(beta*(M_3 + x42));
         const double e_42 = exp(beta*(M_6 + x42));
@@ -4987,7 +5038,7 @@ cdef extern from *:
         const double d_396 = p_390*sig_47;
         const double d_397 = p_390*sig_48;
         const double d_398 = Phi_53*p_390;
-        const double m_68 = fmax(M_58, fmax(M_59, fmax(M_60, M_61)));
+        const double m_68 = smi_fmax(smi_fmax(smi_fmax(M_58, M_59), M_60), M_61);
         const double x60 = -m_68;
         const double e_69 = exp(beta*(M_58 + x60));
         const double e_70 = exp(beta*(M_59 + x60));
@@ -5059,7 +5110,7 @@ cdef extern from *:
         const double d_444 = d_321*p_435 + d_329*p_436 + d_337*p_437 + d_345*p_438;
         const double d_445 = d_322*p_435 + d_330*p_436 + d_338*p_437 + d_346*p_438;
         const double d_446 = d_323*p_435 + d_331*p_436 + d_339*p_437 + d_347*p_438;
-        const double m_78 = fmax(M_59, fmax(M_62, fmax(M_63, M_64)));
+        const double m_78 = smi_fmax(smi_fmax(smi_fmax(M_59, M_62), M_63), M_64);
         const double x74 = -m_78;
         const double e_79 = exp(beta*(M_59 + x74));
         const double e_80 = exp(beta*(M_62 + x74));
@@ -5131,7 +5182,7 @@ cdef extern from *:
         const double d_492 = d_329*p_483 + d_354*p_484 + d_362*p_485 + d_370*p_486;
         const double d_493 = d_330*p_483 + d_355*p_484 + d_363*p_485 + d_371*p_486;
         const double d_494 = d_331*p_483 + d_356*p_484 + d_364*p_485 + d_372*p_486;
-        const double m_88 = fmax(M_60, fmax(M_63, fmax(M_65, M_66)));
+        const double m_88 = smi_fmax(smi_fmax(smi_fmax(M_60, M_63), M_65), M_66);
         const double x88 = -m_88;
         const double e_89 = exp(beta*(M_60 + x88));
         const double e_90 = exp(beta*(M_63 + x88));
@@ -5203,7 +5254,7 @@ cdef extern from *:
         const double d_540 = d_337*p_531 + d_362*p_532 + d_379*p_533 + d_387*p_534;
         const double d_541 = d_338*p_531 + d_363*p_532 + d_380*p_533 + d_388*p_534;
         const double d_542 = d_339*p_531 + d_364*p_532 + d_381*p_533 + d_389*p_534;
-        const double m_98 = fmax(M_61, fmax(M_64, fmax(M_66, M_67)));
+        const double m_98 = smi_fmax(smi_fmax(smi_fmax(M_61, M_64), M_66), M_67);
         const double x102 = -m_98;
         const double e_99 = exp(beta*(M_61 + x102));
         const double e_100 = exp(beta*(M_64 + x102));
@@ -6068,89 +6119,118 @@ cdef extern from *:
         const double d_1104 = d_1016*p_1091 + d_1062*p_1092 + d_1074*p_1093 + d_1088*p_1094;
         const double d_1105 = d_1017*p_1091 + d_1063*p_1092 + d_1075*p_1093 + d_1089*p_1094;
         const double d_1106 = d_1018*p_1091 + d_1064*p_1092 + d_1076*p_1093 + d_1090*p_1094;
-        out[0] = bwd_166;
-        out[1] = bwd_165;
-        out[2] = bwd_164;
-        out[3] = bwd_163;
-        out[4] = logdet_152;
-        out[5] = d_1099;
-        out[6] = d_1100;
-        out[7] = d_1101;
-        out[8] = d_1102;
-        out[9] = d_1103;
-        out[10] = d_1104;
-        out[11] = d_1105;
-        out[12] = d_1106;
-        out[13] = d_1083;
-        out[14] = d_1084;
-        out[15] = d_1085;
-        out[16] = d_1086;
-        out[17] = d_1087;
-        out[18] = d_1088;
-        out[19] = d_1089;
-        out[20] = d_1090;
-        out[21] = d_1069;
-        out[22] = d_1070;
-        out[23] = d_1071;
-        out[24] = d_1072;
-        out[25] = d_1073;
-        out[26] = d_1074;
-        out[27] = d_1075;
-        out[28] = d_1076;
-        out[29] = d_1057;
-        out[30] = d_1058;
-        out[31] = d_1059;
-        out[32] = d_1060;
-        out[33] = d_1061;
-        out[34] = d_1062;
-        out[35] = d_1063;
-        out[36] = d_1064;
-        out[37] = d_931;
-        out[38] = d_932;
-        out[39] = d_933;
-        out[40] = d_934;
-        out[41] = d_927;
-        out[42] = d_928;
-        out[43] = d_929;
-        out[44] = d_930;
+        out[0*so] = bwd_166;
+        out[1*so] = bwd_165;
+        out[2*so] = bwd_164;
+        out[3*so] = bwd_163;
+        out[4*so] = logdet_152;
+        out[5*so] = d_1099;
+        out[6*so] = d_1100;
+        out[7*so] = d_1101;
+        out[8*so] = d_1102;
+        out[9*so] = d_1103;
+        out[10*so] = d_1104;
+        out[11*so] = d_1105;
+        out[12*so] = d_1106;
+        out[13*so] = d_1083;
+        out[14*so] = d_1084;
+        out[15*so] = d_1085;
+        out[16*so] = d_1086;
+        out[17*so] = d_1087;
+        out[18*so] = d_1088;
+        out[19*so] = d_1089;
+        out[20*so] = d_1090;
+        out[21*so] = d_1069;
+        out[22*so] = d_1070;
+        out[23*so] = d_1071;
+        out[24*so] = d_1072;
+        out[25*so] = d_1073;
+        out[26*so] = d_1074;
+        out[27*so] = d_1075;
+        out[28*so] = d_1076;
+        out[29*so] = d_1057;
+        out[30*so] = d_1058;
+        out[31*so] = d_1059;
+        out[32*so] = d_1060;
+        out[33*so] = d_1061;
+        out[34*so] = d_1062;
+        out[35*so] = d_1063;
+        out[36*so] = d_1064;
+        out[37*so] = d_931;
+        out[38*so] = d_932;
+        out[39*so] = d_933;
+        out[40*so] = d_934;
+        out[41*so] = d_927;
+        out[42*so] = d_928;
+        out[43*so] = d_929;
+        out[44*so] = d_930;
     }
+    SMI_KERNEL(attention_tied_softmax_L3_T4_r1_node_jacobian, 12, 45)
     """
     void attention_tied_softmax_L1_T2_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T2_r1_chart(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T2_r1_chart_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T3_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T3_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L1_T4_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L1_T4_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T2_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T2_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T3_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T3_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L2_T4_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L2_T4_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T2_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T2_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T2_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T2_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T2_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T2_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T3_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T3_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T3_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T3_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T3_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T3_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T4_r1_reparam(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T4_r1_reparam_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T4_r1_node(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T4_r1_node_rows(const double*, const double*, double*, long) nogil
     void attention_tied_softmax_L3_T4_r1_node_jacobian(const double*, const double*, double*) nogil
+    void attention_tied_softmax_L3_T4_r1_node_jacobian_rows(const double*, const double*, double*, long) nogil
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
+ctypedef void (*rows_t)(const double*, const double*, double*, long) noexcept nogil
+
+cdef extern from *:
+    enum: SMI_ROWS  # samples per call of a rows function (OpenMP shares these blocks)
 
 
 cdef class Kernel:
-    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over i)."""
+    """One generated kernel: out[i] = f(x[i], params) for every sample i (OpenMP over blocks of
+    SMI_ROWS samples, each by the kernel's rows function)."""
     cdef kernel_t f
+    cdef rows_t rows
     cdef readonly str name
     cdef readonly int n_in, n_out, n_par
 
     def __call__(self, const double[:, ::1] x, const double[::1] params, double[:, ::1] out,
                  int threads=0):
-        cdef Py_ssize_t i, n = x.shape[0]
-        cdef kernel_t f = self.f
+        cdef Py_ssize_t b, n = x.shape[0]
+        cdef rows_t rows = self.rows
         cdef const double* p = &params[0]
         if x.shape[1] != self.n_in or out.shape[1] != self.n_out or out.shape[0] != n:
             raise ValueError(f"{self.name}: x must be (n, {self.n_in}) and out (n, {self.n_out})")
@@ -6159,8 +6239,8 @@ cdef class Kernel:
         if threads <= 0:
             threads = omp_get_max_threads()
         with nogil:
-            for i in prange(n, num_threads=threads, schedule="static"):
-                f(&x[i, 0], p, &out[i, 0])
+            for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
+                rows(&x[b * SMI_ROWS, 0], p, &out[b * SMI_ROWS, 0], min(SMI_ROWS, n - b * SMI_ROWS))
 
 
     def capsule(self):
@@ -6168,33 +6248,33 @@ cdef class Kernel:
         return PyCapsule_New(<void*>self.f, "smi_kernel", NULL)
 
 
-cdef Kernel _kernel(kernel_t f, str name, int n_in, int n_out, int n_par):
+cdef Kernel _kernel(kernel_t f, rows_t rows, str name, int n_in, int n_out, int n_par):
     cdef Kernel k = Kernel.__new__(Kernel)
-    k.f, k.name, k.n_in, k.n_out, k.n_par = f, name, n_in, n_out, n_par
+    k.f, k.rows, k.name, k.n_in, k.n_out, k.n_par = f, rows, name, n_in, n_out, n_par
     return k
 
 
 KERNELS = {
-    "attention_tied_softmax_L1_T2_r1_reparam": _kernel(attention_tied_softmax_L1_T2_r1_reparam, "attention_tied_softmax_L1_T2_r1_reparam", 4, 7, 2),
-    "attention_tied_softmax_L1_T2_r1_chart": _kernel(attention_tied_softmax_L1_T2_r1_chart, "attention_tied_softmax_L1_T2_r1_chart", 2, 13, 2),
-    "attention_tied_softmax_L1_T3_r1_reparam": _kernel(attention_tied_softmax_L1_T3_r1_reparam, "attention_tied_softmax_L1_T3_r1_reparam", 9, 13, 2),
-    "attention_tied_softmax_L1_T4_r1_reparam": _kernel(attention_tied_softmax_L1_T4_r1_reparam, "attention_tied_softmax_L1_T4_r1_reparam", 16, 21, 2),
-    "attention_tied_softmax_L2_T2_r1_reparam": _kernel(attention_tied_softmax_L2_T2_r1_reparam, "attention_tied_softmax_L2_T2_r1_reparam", 6, 7, 2),
-    "attention_tied_softmax_L2_T2_r1_node": _kernel(attention_tied_softmax_L2_T2_r1_node, "attention_tied_softmax_L2_T2_r1_node", 4, 3, 2),
-    "attention_tied_softmax_L2_T2_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T2_r1_node_jacobian, "attention_tied_softmax_L2_T2_r1_node_jacobian", 4, 9, 2),
-    "attention_tied_softmax_L2_T3_r1_reparam": _kernel(attention_tied_softmax_L2_T3_r1_reparam, "attention_tied_softmax_L2_T3_r1_reparam", 12, 13, 2),
-    "attention_tied_softmax_L2_T3_r1_node": _kernel(attention_tied_softmax_L2_T3_r1_node, "attention_tied_softmax_L2_T3_r1_node", 6, 4, 2),
-    "attention_tied_softmax_L2_T3_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T3_r1_node_jacobian, "attention_tied_softmax_L2_T3_r1_node_jacobian", 6, 16, 2),
-    "attention_tied_softmax_L2_T4_r1_reparam": _kernel(attention_tied_softmax_L2_T4_r1_reparam, "attention_tied_softmax_L2_T4_r1_reparam", 20, 21, 2),
-    "attention_tied_softmax_L2_T4_r1_node": _kernel(attention_tied_softmax_L2_T4_r1_node, "attention_tied_softmax_L2_T4_r1_node", 8, 5, 2),
-    "attention_tied_softmax_L2_T4_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T4_r1_node_jacobian, "attention_tied_softmax_L2_T4_r1_node_jacobian", 8, 25, 2),
-    "attention_tied_softmax_L3_T2_r1_reparam": _kernel(attention_tied_softmax_L3_T2_r1_reparam, "attention_tied_softmax_L3_T2_r1_reparam", 8, 7, 2),
-    "attention_tied_softmax_L3_T2_r1_node": _kernel(attention_tied_softmax_L3_T2_r1_node, "attention_tied_softmax_L3_T2_r1_node", 6, 3, 2),
-    "attention_tied_softmax_L3_T2_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T2_r1_node_jacobian, "attention_tied_softmax_L3_T2_r1_node_jacobian", 6, 15, 2),
-    "attention_tied_softmax_L3_T3_r1_reparam": _kernel(attention_tied_softmax_L3_T3_r1_reparam, "attention_tied_softmax_L3_T3_r1_reparam", 15, 13, 2),
-    "attention_tied_softmax_L3_T3_r1_node": _kernel(attention_tied_softmax_L3_T3_r1_node, "attention_tied_softmax_L3_T3_r1_node", 9, 4, 2),
-    "attention_tied_softmax_L3_T3_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T3_r1_node_jacobian, "attention_tied_softmax_L3_T3_r1_node_jacobian", 9, 28, 2),
-    "attention_tied_softmax_L3_T4_r1_reparam": _kernel(attention_tied_softmax_L3_T4_r1_reparam, "attention_tied_softmax_L3_T4_r1_reparam", 24, 21, 2),
-    "attention_tied_softmax_L3_T4_r1_node": _kernel(attention_tied_softmax_L3_T4_r1_node, "attention_tied_softmax_L3_T4_r1_node", 12, 5, 2),
-    "attention_tied_softmax_L3_T4_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T4_r1_node_jacobian, "attention_tied_softmax_L3_T4_r1_node_jacobian", 12, 45, 2),
+    "attention_tied_softmax_L1_T2_r1_reparam": _kernel(attention_tied_softmax_L1_T2_r1_reparam, attention_tied_softmax_L1_T2_r1_reparam_rows, "attention_tied_softmax_L1_T2_r1_reparam", 4, 7, 2),
+    "attention_tied_softmax_L1_T2_r1_chart": _kernel(attention_tied_softmax_L1_T2_r1_chart, attention_tied_softmax_L1_T2_r1_chart_rows, "attention_tied_softmax_L1_T2_r1_chart", 2, 13, 2),
+    "attention_tied_softmax_L1_T3_r1_reparam": _kernel(attention_tied_softmax_L1_T3_r1_reparam, attention_tied_softmax_L1_T3_r1_reparam_rows, "attention_tied_softmax_L1_T3_r1_reparam", 9, 13, 2),
+    "attention_tied_softmax_L1_T4_r1_reparam": _kernel(attention_tied_softmax_L1_T4_r1_reparam, attention_tied_softmax_L1_T4_r1_reparam_rows, "attention_tied_softmax_L1_T4_r1_reparam", 16, 21, 2),
+    "attention_tied_softmax_L2_T2_r1_reparam": _kernel(attention_tied_softmax_L2_T2_r1_reparam, attention_tied_softmax_L2_T2_r1_reparam_rows, "attention_tied_softmax_L2_T2_r1_reparam", 6, 7, 2),
+    "attention_tied_softmax_L2_T2_r1_node": _kernel(attention_tied_softmax_L2_T2_r1_node, attention_tied_softmax_L2_T2_r1_node_rows, "attention_tied_softmax_L2_T2_r1_node", 4, 3, 2),
+    "attention_tied_softmax_L2_T2_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T2_r1_node_jacobian, attention_tied_softmax_L2_T2_r1_node_jacobian_rows, "attention_tied_softmax_L2_T2_r1_node_jacobian", 4, 9, 2),
+    "attention_tied_softmax_L2_T3_r1_reparam": _kernel(attention_tied_softmax_L2_T3_r1_reparam, attention_tied_softmax_L2_T3_r1_reparam_rows, "attention_tied_softmax_L2_T3_r1_reparam", 12, 13, 2),
+    "attention_tied_softmax_L2_T3_r1_node": _kernel(attention_tied_softmax_L2_T3_r1_node, attention_tied_softmax_L2_T3_r1_node_rows, "attention_tied_softmax_L2_T3_r1_node", 6, 4, 2),
+    "attention_tied_softmax_L2_T3_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T3_r1_node_jacobian, attention_tied_softmax_L2_T3_r1_node_jacobian_rows, "attention_tied_softmax_L2_T3_r1_node_jacobian", 6, 16, 2),
+    "attention_tied_softmax_L2_T4_r1_reparam": _kernel(attention_tied_softmax_L2_T4_r1_reparam, attention_tied_softmax_L2_T4_r1_reparam_rows, "attention_tied_softmax_L2_T4_r1_reparam", 20, 21, 2),
+    "attention_tied_softmax_L2_T4_r1_node": _kernel(attention_tied_softmax_L2_T4_r1_node, attention_tied_softmax_L2_T4_r1_node_rows, "attention_tied_softmax_L2_T4_r1_node", 8, 5, 2),
+    "attention_tied_softmax_L2_T4_r1_node_jacobian": _kernel(attention_tied_softmax_L2_T4_r1_node_jacobian, attention_tied_softmax_L2_T4_r1_node_jacobian_rows, "attention_tied_softmax_L2_T4_r1_node_jacobian", 8, 25, 2),
+    "attention_tied_softmax_L3_T2_r1_reparam": _kernel(attention_tied_softmax_L3_T2_r1_reparam, attention_tied_softmax_L3_T2_r1_reparam_rows, "attention_tied_softmax_L3_T2_r1_reparam", 8, 7, 2),
+    "attention_tied_softmax_L3_T2_r1_node": _kernel(attention_tied_softmax_L3_T2_r1_node, attention_tied_softmax_L3_T2_r1_node_rows, "attention_tied_softmax_L3_T2_r1_node", 6, 3, 2),
+    "attention_tied_softmax_L3_T2_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T2_r1_node_jacobian, attention_tied_softmax_L3_T2_r1_node_jacobian_rows, "attention_tied_softmax_L3_T2_r1_node_jacobian", 6, 15, 2),
+    "attention_tied_softmax_L3_T3_r1_reparam": _kernel(attention_tied_softmax_L3_T3_r1_reparam, attention_tied_softmax_L3_T3_r1_reparam_rows, "attention_tied_softmax_L3_T3_r1_reparam", 15, 13, 2),
+    "attention_tied_softmax_L3_T3_r1_node": _kernel(attention_tied_softmax_L3_T3_r1_node, attention_tied_softmax_L3_T3_r1_node_rows, "attention_tied_softmax_L3_T3_r1_node", 9, 4, 2),
+    "attention_tied_softmax_L3_T3_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T3_r1_node_jacobian, attention_tied_softmax_L3_T3_r1_node_jacobian_rows, "attention_tied_softmax_L3_T3_r1_node_jacobian", 9, 28, 2),
+    "attention_tied_softmax_L3_T4_r1_reparam": _kernel(attention_tied_softmax_L3_T4_r1_reparam, attention_tied_softmax_L3_T4_r1_reparam_rows, "attention_tied_softmax_L3_T4_r1_reparam", 24, 21, 2),
+    "attention_tied_softmax_L3_T4_r1_node": _kernel(attention_tied_softmax_L3_T4_r1_node, attention_tied_softmax_L3_T4_r1_node_rows, "attention_tied_softmax_L3_T4_r1_node", 12, 5, 2),
+    "attention_tied_softmax_L3_T4_r1_node_jacobian": _kernel(attention_tied_softmax_L3_T4_r1_node_jacobian, attention_tied_softmax_L3_T4_r1_node_jacobian_rows, "attention_tied_softmax_L3_T4_r1_node_jacobian", 12, 45, 2),
 }
