@@ -30,9 +30,10 @@ def render_module(kernels: list[KernelSpec]) -> str:
         sources=", ".join(sources),
         c_code=textwrap.indent(c_code, "    "),
         declarations="\n".join(f"    void {k.name}(const double*, const double*, double*) nogil\n"
-                               f"    void {k.name}_rows(const double*, const double*, double*, long) nogil"
+                               f"    void {k.name}_rows(const double*, const double*, double*, long) nogil\n"
+                               f"    void {k.name}_cols(const double*, long, const double*, double*, long, long) nogil"
                                for k, _ in programs),
-        table="\n".join(f'    "{k.name}": _kernel({k.name}, {k.name}_rows, "{k.name}", {p.n_in}, {p.n_out}, '
+        table="\n".join(f'    "{k.name}": _kernel({k.name}, {k.name}_rows, {k.name}_cols, "{k.name}", {p.n_in}, {p.n_out}, '
                         f'{max(len(p.params), 1)}),' for k, p in programs),
     )
 

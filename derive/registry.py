@@ -14,7 +14,7 @@ import sympy as sp
 
 from .attention import AttentionSpec, forward_program, mixing_program
 from .program import Program, jacobian
-from .reparam import channel_node_program, chart_program, reparam_program
+from .reparam import channel_node_program, chart_program, inverse_program, reparam_program
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[st
     """Kernels of a deep-attention model: ``forward`` (y), ``jacobian`` (y and ∂y/∂Z, when the
     link is differentiable), ``mixing`` (Φ⁽ᴸ⁻¹⁾, log|det Φ⁽ᴸ⁻¹⁾|, L ≥ 2) and ``reparam``
     (tied softmax r = 1; with L = 1, T = 2 also ``chart``, derive.reparam.chart_program), and for the route-1 channel ``node`` ([h_L; log|det Φ|] from
-    (u_L, h_{<L})) and ``node_jacobian`` (its Jacobian in h_{<L}), L ≥ 2."""
+    (u_L, h_{<L})), ``node_jacobian`` (its Jacobian in h_{<L}) and ``inverse`` ((Φ⁽ᴸ⁻¹⁾)⁻¹, log|det
+    Φ⁽ᴸ⁻¹⁾|, the polar rules' node data), L ≥ 2."""
     module = module or f"attention_L{spec.layers}"
     kernels = {"forward": KernelSpec(spec.key + "_forward", module, lambda: forward_program(spec))}
     if spec.differentiable:
@@ -51,6 +52,7 @@ def attention_kernels(spec: AttentionSpec, module: str | None = None) -> dict[st
         if spec.layers >= 2:
             node = lambda: channel_node_program(spec)
             kernels["node"] = KernelSpec(spec.key + "_node", channel, node)
+            kernels["inverse"] = KernelSpec(spec.key + "_inverse", channel, lambda: inverse_program(spec))
             kernels["node_jacobian"] = KernelSpec(spec.key + "_node_jacobian", channel,
                                                   lambda: jacobian(node(), of="hl", wrt="z", name="dhl"))
     return kernels

@@ -61,12 +61,22 @@ def last_layer_index(prog: Program, spec: AttentionSpec, hprev: sp.Matrix, u: sp
     to B_1 h_L = x'', each by the LU factors of its own B_ℓ (attention.log_abs_det: elimination
     without pivoting, stable because B_ℓ is diagonally similar to a symmetric positive definite
     matrix).  The product Φ⁽ᴸ⁻¹⁾ itself is never formed."""
+    (h,), logdet = _solve_layers(prog, spec, hprev, [u])
+    return sp.Matrix(h), logdet
+
+
+def _solve_layers(prog: Program, spec: AttentionSpec, hprev: sp.Matrix, rhs: list):
+    """(Φ⁽ᴸ⁻¹⁾)⁻¹b for every b of ``rhs`` (``last_layer_index``'s solve, the factors shared) and
+    log|det Φ⁽ᴸ⁻¹⁾|."""
     _, attention = mixing_layers(prog, spec, hprev, spec.layers - 1, product=False)
     factors, logdet = log_abs_det(prog, spec, attention)
-    x = list(u)
-    for L, U in reversed(factors):
-        x = solve(prog, L, U, x)
-    return sp.Matrix(x), logdet
+    solutions = []
+    for b in rhs:
+        x = list(b)
+        for L, U in reversed(factors):
+            x = solve(prog, L, U, x)
+        solutions.append(x)
+    return solutions, logdet
 
 
 def _check_reparametrisable(spec: AttentionSpec) -> None:
@@ -102,6 +112,21 @@ def channel_node_program(spec: AttentionSpec) -> Program:
                    source="derive.reparam.channel_node_program")
     h, logdet = last_layer_index(prog, spec, hprev, u)
     prog.outputs["hl"] = sp.Matrix(list(h) + [logdet])
+    return prog
+
+
+def inverse_program(spec: AttentionSpec) -> Program:
+    """(Φ⁽ᴸ⁻¹⁾)⁻¹ and log|det Φ⁽ᴸ⁻¹⁾| from h_{<L} (input ``z``): outputs ``phi_inv`` (T×T) and
+    ``logdet``, each column (Φ⁽ᴸ⁻¹⁾)⁻¹e_j solved one layer factor at a time as
+    ``last_layer_index`` solves for h_L (the polar rules' node data: h_L = (Φ⁽ᴸ⁻¹⁾)⁻¹u_L per
+    sample)."""
+    _check_reparametrisable(spec)
+    T = spec.tokens
+    hprev = index_symbols(spec.layers - 1, T)
+    prog = Program(spec.key + "_inverse", {"z": hprev}, spec.params(), source="derive.reparam.inverse_program")
+    columns, logdet = _solve_layers(prog, spec, hprev, [sp.eye(T)[:, j] for j in range(T)])
+    prog.outputs["phi_inv"] = sp.Matrix(T, T, lambda i, j: columns[j][i])
+    prog.outputs["logdet"] = sp.Matrix([[logdet]])
     return prog
 
 

@@ -18,22 +18,28 @@ cdef extern from *:
     #endif
     /* fmax(a, b) as a select (libm's fmax stops the vectoriser) */
     static inline double smi_fmax(double a, double b) { return a > b || b != b ? a : b; }
-    /* Each kernel NAME_at (codegen.printer) gives NAME, one sample's row, and NAME_rows, n ≤
-       SMI_ROWS consecutive rows: copied into columns, the loop over them (the kernel inlined,
-       unit-stride loads and stores) vectorises, then copied back. */
+    /* Each kernel NAME_at (codegen.printer) gives NAME, one sample's row; NAME_cols, n samples
+       stored by columns (input k of sample i at in[k·si + i], output k at out[k·so + i]), a
+       loop over the samples that vectorises (the kernel inlined, unit-stride loads and
+       stores); and NAME_rows, n ≤ SMI_ROWS consecutive rows, copied into columns for NAME_cols
+       and back. */
     #define SMI_INLINE __attribute__((always_inline))
     #define SMI_ROWS 32
     #define SMI_KERNEL(NAME, N_IN, N_OUT) \
     static void NAME(const double *in, const double *par, double *out) { NAME##_at(in, 1, par, out, 1); } \
+    static void NAME##_cols(const double *in, long si, const double *par, double *out, long so, long n) \
+    { \
+        _Pragma("omp simd") \
+        for (long i = 0; i < n; i++) \
+            NAME##_at(in + i, si, par, out + i, so); \
+    } \
     static void NAME##_rows(const double *in, const double *par, double *out, long n) \
     { \
         double a[N_IN * SMI_ROWS], o[N_OUT * SMI_ROWS]; \
         for (long i = 0; i < n; i++) \
             for (int j = 0; j < N_IN; j++) \
                 a[j * SMI_ROWS + i] = in[N_IN * i + j]; \
-        _Pragma("omp simd") \
-        for (long i = 0; i < n; i++) \
-            NAME##_at(a + i, SMI_ROWS, par, o + i, SMI_ROWS); \
+        NAME##_cols(a, SMI_ROWS, par, o, SMI_ROWS, n); \
         for (long i = 0; i < n; i++) \
             for (int j = 0; j < N_OUT; j++) \
                 out[N_OUT * i + j] = o[j * SMI_ROWS + i]; \
@@ -1672,31 +1678,44 @@ cdef extern from *:
     """
     void attention_tied_softmax_L1_T2_r1_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T2_r1_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T2_r1_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T2_r1_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T2_r1_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T2_r1_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T2_r2_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T2_r2_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T2_r2_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T2_r2_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T2_r2_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T2_r2_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T3_r1_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T3_r1_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T3_r1_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T3_r1_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T3_r1_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T3_r1_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T3_r2_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T3_r2_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T3_r2_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T3_r2_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T3_r2_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T3_r2_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T4_r1_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T4_r1_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T4_r1_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T4_r1_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T4_r1_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T4_r1_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T4_r2_forward(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T4_r2_forward_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T4_r2_forward_cols(const double*, long, const double*, double*, long, long) nogil
     void attention_tied_softmax_L1_T4_r2_jacobian(const double*, const double*, double*) nogil
     void attention_tied_softmax_L1_T4_r2_jacobian_rows(const double*, const double*, double*, long) nogil
+    void attention_tied_softmax_L1_T4_r2_jacobian_cols(const double*, long, const double*, double*, long, long) nogil
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
 ctypedef void (*rows_t)(const double*, const double*, double*, long) noexcept nogil
+ctypedef void (*cols_t)(const double*, long, const double*, double*, long, long) noexcept nogil
 
 cdef extern from *:
     enum: SMI_ROWS  # samples per call of a rows function (OpenMP shares these blocks)
@@ -1707,6 +1726,7 @@ cdef class Kernel:
     SMI_ROWS samples, each by the kernel's rows function)."""
     cdef kernel_t f
     cdef rows_t rows
+    cdef cols_t cols
     cdef readonly str name
     cdef readonly int n_in, n_out, n_par
 
@@ -1725,29 +1745,56 @@ cdef class Kernel:
             for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
                 rows(&x[b * SMI_ROWS, 0], p, &out[b * SMI_ROWS, 0], min(SMI_ROWS, n - b * SMI_ROWS))
 
+    def columns(self, const double[:, :] x, const double[::1] params, double[:, :] out, int threads=0):
+        """The same by columns: out[:, i] = f(x[:, i], params), x (n_in, n) and out (n_out, n)
+        with contiguous rows at any row stride (e.g. row blocks of one array)."""
+        cdef Py_ssize_t b, n = x.shape[1]
+        cdef cols_t cols = self.cols
+        cdef const double* p = &params[0]
+        if x.shape[0] != self.n_in or out.shape[0] != self.n_out or out.shape[1] != n:
+            raise ValueError(f"{self.name}: x must be ({self.n_in}, n) and out ({self.n_out}, n)")
+        if params.shape[0] < self.n_par:
+            raise ValueError(f"{self.name}: needs {self.n_par} parameters")
+        if n == 0:
+            return
+        if (n > 1 and (x.strides[1] != sizeof(double) or out.strides[1] != sizeof(double))) or \
+                x.strides[0] % sizeof(double) or out.strides[0] % sizeof(double):
+            raise ValueError(f"{self.name}: the rows of x and out must be contiguous")
+        cdef long si = x.strides[0] // sizeof(double), so = out.strides[0] // sizeof(double)
+        if threads <= 0:
+            threads = omp_get_max_threads()
+        with nogil:
+            for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
+                cols(&x[0, b * SMI_ROWS], si, p, &out[0, b * SMI_ROWS], so, min(SMI_ROWS, n - b * SMI_ROWS))
 
-    def capsule(self):
-        """The C function pointer, for model-independent drivers (smi_core._quadrature)."""
+    def capsule(self, str layout="row"):
+        """The C function pointer, for model-independent drivers (smi_core._quadrature): one
+        sample's row ("smi_kernel"), or samples by columns (layout="columns": NAME_cols,
+        "smi_kernel_cols")."""
+        if layout == "columns":
+            return PyCapsule_New(<void*>self.cols, "smi_kernel_cols", NULL)
+        if layout != "row":
+            raise ValueError(f"layout must be 'row' or 'columns', got {layout!r}")
         return PyCapsule_New(<void*>self.f, "smi_kernel", NULL)
 
 
-cdef Kernel _kernel(kernel_t f, rows_t rows, str name, int n_in, int n_out, int n_par):
+cdef Kernel _kernel(kernel_t f, rows_t rows, cols_t cols, str name, int n_in, int n_out, int n_par):
     cdef Kernel k = Kernel.__new__(Kernel)
-    k.f, k.rows, k.name, k.n_in, k.n_out, k.n_par = f, rows, name, n_in, n_out, n_par
+    k.f, k.rows, k.cols, k.name, k.n_in, k.n_out, k.n_par = f, rows, cols, name, n_in, n_out, n_par
     return k
 
 
 KERNELS = {
-    "attention_tied_softmax_L1_T2_r1_forward": _kernel(attention_tied_softmax_L1_T2_r1_forward, attention_tied_softmax_L1_T2_r1_forward_rows, "attention_tied_softmax_L1_T2_r1_forward", 2, 4, 2),
-    "attention_tied_softmax_L1_T2_r1_jacobian": _kernel(attention_tied_softmax_L1_T2_r1_jacobian, attention_tied_softmax_L1_T2_r1_jacobian_rows, "attention_tied_softmax_L1_T2_r1_jacobian", 2, 12, 2),
-    "attention_tied_softmax_L1_T2_r2_forward": _kernel(attention_tied_softmax_L1_T2_r2_forward, attention_tied_softmax_L1_T2_r2_forward_rows, "attention_tied_softmax_L1_T2_r2_forward", 4, 4, 2),
-    "attention_tied_softmax_L1_T2_r2_jacobian": _kernel(attention_tied_softmax_L1_T2_r2_jacobian, attention_tied_softmax_L1_T2_r2_jacobian_rows, "attention_tied_softmax_L1_T2_r2_jacobian", 4, 20, 2),
-    "attention_tied_softmax_L1_T3_r1_forward": _kernel(attention_tied_softmax_L1_T3_r1_forward, attention_tied_softmax_L1_T3_r1_forward_rows, "attention_tied_softmax_L1_T3_r1_forward", 3, 9, 2),
-    "attention_tied_softmax_L1_T3_r1_jacobian": _kernel(attention_tied_softmax_L1_T3_r1_jacobian, attention_tied_softmax_L1_T3_r1_jacobian_rows, "attention_tied_softmax_L1_T3_r1_jacobian", 3, 36, 2),
-    "attention_tied_softmax_L1_T3_r2_forward": _kernel(attention_tied_softmax_L1_T3_r2_forward, attention_tied_softmax_L1_T3_r2_forward_rows, "attention_tied_softmax_L1_T3_r2_forward", 6, 9, 2),
-    "attention_tied_softmax_L1_T3_r2_jacobian": _kernel(attention_tied_softmax_L1_T3_r2_jacobian, attention_tied_softmax_L1_T3_r2_jacobian_rows, "attention_tied_softmax_L1_T3_r2_jacobian", 6, 63, 2),
-    "attention_tied_softmax_L1_T4_r1_forward": _kernel(attention_tied_softmax_L1_T4_r1_forward, attention_tied_softmax_L1_T4_r1_forward_rows, "attention_tied_softmax_L1_T4_r1_forward", 4, 16, 2),
-    "attention_tied_softmax_L1_T4_r1_jacobian": _kernel(attention_tied_softmax_L1_T4_r1_jacobian, attention_tied_softmax_L1_T4_r1_jacobian_rows, "attention_tied_softmax_L1_T4_r1_jacobian", 4, 80, 2),
-    "attention_tied_softmax_L1_T4_r2_forward": _kernel(attention_tied_softmax_L1_T4_r2_forward, attention_tied_softmax_L1_T4_r2_forward_rows, "attention_tied_softmax_L1_T4_r2_forward", 8, 16, 2),
-    "attention_tied_softmax_L1_T4_r2_jacobian": _kernel(attention_tied_softmax_L1_T4_r2_jacobian, attention_tied_softmax_L1_T4_r2_jacobian_rows, "attention_tied_softmax_L1_T4_r2_jacobian", 8, 144, 2),
+    "attention_tied_softmax_L1_T2_r1_forward": _kernel(attention_tied_softmax_L1_T2_r1_forward, attention_tied_softmax_L1_T2_r1_forward_rows, attention_tied_softmax_L1_T2_r1_forward_cols, "attention_tied_softmax_L1_T2_r1_forward", 2, 4, 2),
+    "attention_tied_softmax_L1_T2_r1_jacobian": _kernel(attention_tied_softmax_L1_T2_r1_jacobian, attention_tied_softmax_L1_T2_r1_jacobian_rows, attention_tied_softmax_L1_T2_r1_jacobian_cols, "attention_tied_softmax_L1_T2_r1_jacobian", 2, 12, 2),
+    "attention_tied_softmax_L1_T2_r2_forward": _kernel(attention_tied_softmax_L1_T2_r2_forward, attention_tied_softmax_L1_T2_r2_forward_rows, attention_tied_softmax_L1_T2_r2_forward_cols, "attention_tied_softmax_L1_T2_r2_forward", 4, 4, 2),
+    "attention_tied_softmax_L1_T2_r2_jacobian": _kernel(attention_tied_softmax_L1_T2_r2_jacobian, attention_tied_softmax_L1_T2_r2_jacobian_rows, attention_tied_softmax_L1_T2_r2_jacobian_cols, "attention_tied_softmax_L1_T2_r2_jacobian", 4, 20, 2),
+    "attention_tied_softmax_L1_T3_r1_forward": _kernel(attention_tied_softmax_L1_T3_r1_forward, attention_tied_softmax_L1_T3_r1_forward_rows, attention_tied_softmax_L1_T3_r1_forward_cols, "attention_tied_softmax_L1_T3_r1_forward", 3, 9, 2),
+    "attention_tied_softmax_L1_T3_r1_jacobian": _kernel(attention_tied_softmax_L1_T3_r1_jacobian, attention_tied_softmax_L1_T3_r1_jacobian_rows, attention_tied_softmax_L1_T3_r1_jacobian_cols, "attention_tied_softmax_L1_T3_r1_jacobian", 3, 36, 2),
+    "attention_tied_softmax_L1_T3_r2_forward": _kernel(attention_tied_softmax_L1_T3_r2_forward, attention_tied_softmax_L1_T3_r2_forward_rows, attention_tied_softmax_L1_T3_r2_forward_cols, "attention_tied_softmax_L1_T3_r2_forward", 6, 9, 2),
+    "attention_tied_softmax_L1_T3_r2_jacobian": _kernel(attention_tied_softmax_L1_T3_r2_jacobian, attention_tied_softmax_L1_T3_r2_jacobian_rows, attention_tied_softmax_L1_T3_r2_jacobian_cols, "attention_tied_softmax_L1_T3_r2_jacobian", 6, 63, 2),
+    "attention_tied_softmax_L1_T4_r1_forward": _kernel(attention_tied_softmax_L1_T4_r1_forward, attention_tied_softmax_L1_T4_r1_forward_rows, attention_tied_softmax_L1_T4_r1_forward_cols, "attention_tied_softmax_L1_T4_r1_forward", 4, 16, 2),
+    "attention_tied_softmax_L1_T4_r1_jacobian": _kernel(attention_tied_softmax_L1_T4_r1_jacobian, attention_tied_softmax_L1_T4_r1_jacobian_rows, attention_tied_softmax_L1_T4_r1_jacobian_cols, "attention_tied_softmax_L1_T4_r1_jacobian", 4, 80, 2),
+    "attention_tied_softmax_L1_T4_r2_forward": _kernel(attention_tied_softmax_L1_T4_r2_forward, attention_tied_softmax_L1_T4_r2_forward_rows, attention_tied_softmax_L1_T4_r2_forward_cols, "attention_tied_softmax_L1_T4_r2_forward", 8, 16, 2),
+    "attention_tied_softmax_L1_T4_r2_jacobian": _kernel(attention_tied_softmax_L1_T4_r2_jacobian, attention_tied_softmax_L1_T4_r2_jacobian_rows, attention_tied_softmax_L1_T4_r2_jacobian_cols, "attention_tied_softmax_L1_T4_r2_jacobian", 8, 144, 2),
 }

@@ -39,6 +39,7 @@ cdef enum:
     POLAR_MAX_LAYERS = 3     # integrate_polar: T = 2, up to two integrated layers
 
 ctypedef void (*kernel_t)(const double*, const double*, double*) noexcept nogil
+ctypedef void (*cols_t)(const double*, long, const double*, double*, long, long) noexcept nogil
 
 cdef extern from *:
     """
@@ -368,8 +369,8 @@ cdef extern from *:
     }
 
     /* The Laplace rule (``integrate``) on K <= SMI_TILE nodes x_k = c_m + A_m xi_k of partition
-       piece m of one sample, by rows of the tile (the loops over the nodes vectorise; only the
-       kernel is called node by node): the nodes; their partition weights pi_m(x_k), as the log
+       piece m of one sample, by rows of the tile (the loops over the nodes vectorise, and so
+       does the kernel's, by columns): the nodes; their partition weights pi_m(x_k), as the log
        bound lb_k = lw_k + log|det A_m| + lq_m - max_j lq_j and the factor 1 / sum_j
        e^(lq_j - max) (lq_j = logh_j - (x - c_j)' H_j (x - c_j) / 2); the kernel; the terms' log
        weights lf and the tile's maximum mx of lb + lf.  Unless mx < floor, then the weights
@@ -378,18 +379,18 @@ cdef extern from *:
        Z = [x; +-h_L] with lf = const0 - Q(Z)/2 - log|det Phi|; route 1: Z = x, kernel x -> g
        (n_out values), one term, lf = const0 - Q(Z)/2 - |data - g|^2 / (2 delta); Q(Z) =
        sum_t (Z_t - omega_t)' P (Z_t - omega_t).  Terms with a non-finite value weigh 0.  buf:
-       (RT + M + n_out + 6) SMI_TILE doubles; kout: the kernel's outputs. */
-    typedef void (*smi_kernel)(const double*, const double*, double*);
-    static double smi_laplace_tile(int route, smi_kernel f, const double* par, double* node_in,
+       (n_data + RT + M + n_out + 6) SMI_TILE doubles, its first n_data rows each filled with
+       its datum by the caller (route 0: the kernel's inputs are these rows and x's). */
+    typedef void (*smi_kernel_cols)(const double*, long, const double*, double*, long, long);
+    static double smi_laplace_tile(int route, smi_kernel_cols f, const double* par,
                                    int n_data, int n_out, const double* data, double delta,
                                    const double* omega, const double* P, double const0, int R,
                                    int T, int d, int M, int m, const double* centers,
                                    const double* A, const double* H, const double* logh,
                                    double ldA, const double* xi, const double* lw, long K,
-                                   const double* ref, double floor, double* buf, double* kout,
-                                   double* out) {
+                                   const double* ref, double floor, double* buf, double* out) {
         const int RT = R * T, nt = route == 0 ? 2 : 1, last = route == 0 ? d : RT;
-        double* X = buf;                                /* Z of the first term, RT rows */
+        double* X = buf + n_data * SMI_TILE;            /* Z of the first term, RT rows */
         double* LQ = X + RT * SMI_TILE;                 /* the pieces' lq, M rows */
         double* KO = LQ + M * SMI_TILE;                 /* kernel outputs, n_out rows */
         double* LB = KO + n_out * SMI_TILE;
@@ -459,14 +460,7 @@ cdef extern from *:
                 INV[k] = 1.0 / INV[k];
             }
         }
-        for (long k = 0; k < K; k++) {                  /* the kernel, node by node */
-            double* in = route == 0 ? node_in + n_data : node_in;
-            for (int i = 0; i < d; i++)
-                in[i] = X[i * SMI_TILE + k];
-            f(node_in, par, kout);
-            for (int o = 0; o < n_out; o++)
-                KO[o * SMI_TILE + k] = kout[o];
-        }
+        f(route == 0 ? buf : X, SMI_TILE, par, KO, SMI_TILE, K);     /* the kernel, by columns */
         for (long k = 0; k < K; k++)
             OK[k] = 1.0;
         if (route == 0) {                               /* h_L: the last layer's rows */
@@ -586,12 +580,12 @@ cdef extern from *:
     double smi_sphere2(const double* u, const double* om, const double* P, double const0,
                        const double* nodes, long stride, long K, double floor, double* buf,
                        double* out) noexcept nogil
-    double smi_laplace_tile(int route, kernel_t f, const double* par, double* node_in, int n_data,
+    double smi_laplace_tile(int route, cols_t f, const double* par, int n_data,
                             int n_out, const double* data, double delta, const double* omega,
                             const double* P, double const0, int R, int T, int d, int M, int m,
                             const double* centers, const double* A, const double* H,
                             const double* logh, double ldA, const double* xi, const double* lw,
-                            long K, const double* ref, double floor, double* buf, double* kout,
+                            long K, const double* ref, double floor, double* buf,
                             double* out) noexcept nogil
 
 
@@ -835,7 +829,7 @@ cdef void _acc_finish(Acc* acc, double* log_z, double* mean, double* second) noe
     free(acc.s1)
 
 
-cdef void _sample(int route, kernel_t f, const double* par, const double* data, int n_data,
+cdef void _sample(int route, cols_t f, const double* par, const double* data, int n_data,
                   const double* omega, const double* Vinv, double logdetV,
                   const double* centers, const double* A, const double* H, const double* logh, int M,
                   const double* xi, const double* lw, int G, int d,
@@ -848,13 +842,14 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
     cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), ldA, top
     if route == 1:
         const0 -= 0.5 * n_node * log(2 * M_PI * delta)
-    cdef double* buf = <double*> malloc(((RT + M + n_out + 6) * SMI_TILE + 1 + RT + RT * RT
-                                         + n_data + d + n_node * (1 + d)) * sizeof(double))
-    cdef double* part = buf + (RT + M + n_out + 6) * SMI_TILE
-    cdef double* node_in = part + 1 + RT + RT * RT
-    cdef double* kout = node_in + n_data + d
-    if route == 0:
-        memcpy(node_in, data, n_data * sizeof(double))
+    cdef int j
+    cdef double* buf = <double*> malloc(((n_data + RT + M + n_out + 6) * SMI_TILE + 1 + RT + RT * RT)
+                                        * sizeof(double))
+    cdef double* part = buf + (n_data + RT + M + n_out + 6) * SMI_TILE
+    if route == 0:                      # the kernel's data rows
+        for j in range(n_data):
+            for K in range(SMI_TILE):
+                buf[j * SMI_TILE + K] = data[j]
     _acc_init(&acc, RT)
     for m in range(M):
         if not logh[m] > -INFINITY:
@@ -863,9 +858,9 @@ cdef void _sample(int route, kernel_t f, const double* par, const double* data, 
         k0 = 0
         while k0 < G:
             K = min(SMI_TILE, G - k0)
-            top = smi_laplace_tile(route, f, par, node_in, n_data, n_out, data, delta, omega, Vinv,
-                                   const0, R, T, d, M, m, centers, A, H, logh, ldA, xi + k0 * d,
-                                   lw + k0, K, ref, acc.mx - SMI_SKIP, buf, kout, part)
+            top = smi_laplace_tile(route, f, par, n_data if route == 0 else 0, n_out, data, delta, omega,
+                                   Vinv, const0, R, T, d, M, m, centers, A, H, logh, ldA, xi + k0 * d,
+                                   lw + k0, K, ref, acc.mx - SMI_SKIP, buf, part)
             if top >= acc.mx - SMI_SKIP and top > -INFINITY:
                 _add_sums(&acc, top, part)
             k0 += SMI_TILE
@@ -880,8 +875,9 @@ def integrate(int route, capsule, const double[::1] params, const double[:, ::1]
               const double[:, ::1] xi, const double[::1] lw, const double[:, ::1] ref,
               int R, int T, int n_node, double delta,
               double[::1] log_z, double[:, ::1] mean, double[:, :, ::1] second, int threads=0):
-    """Posterior mass (log), mean E[Z - ref] and second moment E[(Z-ref)(Z-ref)ᵀ] per sample."""
-    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    """Posterior mass (log), mean E[Z - ref] and second moment E[(Z-ref)(Z-ref)ᵀ] per sample
+    (``capsule``: the kernel by columns, ``Kernel.capsule("columns")``)."""
+    cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int M = centers.shape[1], d = centers.shape[2], G = xi.shape[0], n_data = data.shape[1]
     if threads <= 0:
@@ -1080,44 +1076,52 @@ def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] s
     return m
 
 
-def polar_product(const long[::1] blocks, const long[::1] offset, long R1, long R2,
+def polar_product(const long[::1] blocks, const long[::1] offset, const long[::1] column, long R1, long R2,
                   const double[:, ::1] x1, const double[::1] lw1, const long[::1] start1,
                   const long[::1] count1, const double[:, ::1] x2, const double[::1] lw2,
-                  const long[::1] start2, const long[::1] count2, double[:, ::1] x, double[::1] lw,
-                  int threads=0):
-    """The product of one or two layers' ring rules (``PolarRule._polar_nodes``), block by
+                  const long[::1] start2, const long[::1] count2, const unsigned char[::1] keep,
+                  double[:, :] nodes, int threads=0):
+    """The product of one or two layers' ring rules (``PolarRule._polar_pieces``), block by
     block: block b (a flat index into (groups, R1 rings[, R2 rings])) holds the pairs of ring j
-    of layer 1 and ring l of layer 2 of group g, b = (g·R1 + j)·R2 + l, layer 2 fastest, from
-    row offset[b] of x (node coordinates, T per layer) and lw (the sum of the layers' log
-    weights).  A layer's nodes are its rings' nodes one after the other (ring r from start[r],
-    count[r] nodes; groups in order).  R2 = 0: one layer, b = g·R1 + j."""
+    of layer 1 and ring l of layer 2 of group g, b = (g·R1 + j)·R2 + l, layer 2 fastest.  Of
+    the i-th block's pairs, set-up nodes offset[i]… of the mask ``keep`` (empty: all kept), the
+    kept ones go to columns column[i]… of ``nodes``: rows the node coordinates (T per layer),
+    then the sum of the layers' log weights.  A layer's nodes are its rings' nodes one after
+    the other (ring r from start[r], count[r] nodes; groups in order).  R2 = 0: one layer, b =
+    g·R1 + j."""
     cdef Py_ssize_t nb = blocks.shape[0], i
     if threads <= 0:
         threads = omp_get_max_threads()
+    if nodes.shape[0] < x1.shape[1] * (2 if R2 > 0 else 1) + 1:
+        raise ValueError("polar_product needs a row per coordinate and one for the log weight")
     with nogil:
         for i in prange(nb, num_threads=threads, schedule="static"):
-            _product_block(blocks[i], offset[i], R1, R2, x1, lw1, start1, count1, x2, lw2, start2,
-                           count2, x, lw)
+            _product_block(blocks[i], offset[i], column[i], R1, R2, x1, lw1, start1, count1, x2, lw2,
+                           start2, count2, keep, nodes)
 
 
-cdef void _product_block(long b, long row, long R1, long R2, const double[:, ::1] x1,
+cdef void _product_block(long b, long off, long col, long R1, long R2, const double[:, ::1] x1,
                          const double[::1] lw1, const long[::1] start1, const long[::1] count1,
                          const double[:, ::1] x2, const double[::1] lw2, const long[::1] start2,
-                         const long[::1] count2, double[:, ::1] x, double[::1] lw) noexcept nogil:
+                         const long[::1] count2, const unsigned char[::1] keep,
+                         double[:, :] nodes) noexcept nogil:
     """One block of ``polar_product``."""
     cdef long ring1 = b // R2 if R2 > 0 else b, ring2 = (b // (R1 * R2)) * R2 + b % R2 if R2 > 0 else 0
     cdef long a, c, n2 = count2[ring2] if R2 > 0 else 1
-    cdef int j, T = x1.shape[1]
+    cdef int j, T = x1.shape[1], m = T * (2 if R2 > 0 else 1)
+    cdef bint all_kept = keep.shape[0] == 0
     for a in range(start1[ring1], start1[ring1] + count1[ring1]):
         for c in range(n2):
-            for j in range(T):
-                x[row, j] = x1[a, j]
-            lw[row] = lw1[a]
-            if R2 > 0:
+            if all_kept or keep[off]:
                 for j in range(T):
-                    x[row, T + j] = x2[start2[ring2] + c, j]
-                lw[row] += lw2[start2[ring2] + c]
-            row += 1
+                    nodes[j, col] = x1[a, j]
+                nodes[m, col] = lw1[a]
+                if R2 > 0:
+                    for j in range(T):
+                        nodes[T + j, col] = x2[start2[ring2] + c, j]
+                    nodes[m, col] += lw2[start2[ring2] + c]
+                col += 1
+            off += 1
 
 
 cdef void _polar_sample(const double* u, const double* omega, const double* Vinv, double logdetV,

@@ -251,7 +251,7 @@ class Channel:
         xi, lw = rule
         n, RT = len(omega), self.R * self.T
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
-        _quadrature.integrate(self._route_id, self._node_kernel.capsule(), self.model.params,
+        _quadrature.integrate(self._route_id, self._node_kernel.capsule("columns"), self.model.params,
                               np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, logdetV,
                               np.ascontiguousarray(centers), np.ascontiguousarray(A),
                               np.ascontiguousarray(hess), np.ascontiguousarray(logh), xi, lw,
@@ -475,7 +475,7 @@ class ReparamChannel(PolarRule, Channel):
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
             self._jac_kernel = model.kernel("node_jacobian")
-            self._mixing_kernel = model.kernel("mixing")
+            self._inverse_kernel = model.kernel("inverse")
             self._n_node = model.tokens + 1
         if model.layers == 3:
             # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
@@ -606,9 +606,14 @@ class ReparamChannel(PolarRule, Channel):
         return [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
                 for l in range(self.model.layers - 1)]
 
-    def _polar_data(self, x):
-        """Rows [Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x), by the generated mixing kernel."""
-        return _inverse_logdet(self._mixing_kernel(x, self.model.params))
+    @property
+    def _polar_data_rows(self):
+        return self.T * self.T + 1
+
+    def _polar_fill(self, nodes, m):
+        """Rows [Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x) (x: rows 0…m-1), by the generated
+        inverse kernel, in place."""
+        self._inverse_kernel.columns(nodes[:m], self.model.params, nodes[m + 1:])
 
     def _polar_input(self, y):
         return self._u_model.reparametrise(y).u
@@ -1004,11 +1009,15 @@ class NoisyChannel(PolarRule, Channel):
         return rings + [self._polar_rings(group, s * mu[:, L - 1], s * s * V[:, L - 1, L - 1], scale, 1.0,
                                           sharp=sharp, origin=L > 1)]
 
-    def _polar_data(self, x):
-        """Rows [Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ)."""
-        k = 2 * (self.model.layers - 1)
-        return np.concatenate([self._mixing_rows(x[:, :k]),
-                               self._u_model.forward(x[:, None, k:]).reshape(len(x), 4).T])
+    _polar_data_rows = 9
+
+    def _polar_fill(self, nodes, m):
+        """Rows [Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ) of
+        the nodes x = (h_{<L}, u_L) (rows 0…m-1), in place."""
+        x = np.ascontiguousarray(nodes[:m].T)
+        k = m - 2
+        nodes[m + 1:m + 6] = self._mixing_rows(x[:, :k])
+        nodes[m + 6:] = self._u_model.forward(x[:, None, k:]).reshape(len(x), 4).T
 
     def _polar_input(self, y):
         return y
@@ -1128,8 +1137,10 @@ class NoisyChannel(PolarRule, Channel):
         return owner, rings.x, rings.log_w
 
     def _mixing_rows(self, x1):
-        """Rows [Φ⁻¹, log|det Φ|] (5 × k, inf where Φ is singular; ``_inverse_logdet``) of
-        Φ = Φ⁽¹⁾(x_1) for nodes x_1; one layer (x_1 with no columns): Φ = I."""
+        """Rows [Φ⁻¹, log|det Φ|] (5 × k, inf where Φ is singular; ``_inverse_logdet``: the
+        adjugate keeps Φ⁻¹ invertible where Φ is near-singular, which the chart rule inverts
+        back, where the inverse kernel's columns can lose all but their largest term) of Φ =
+        Φ⁽¹⁾(x_1) for nodes x_1; one layer (x_1 with no columns): Φ = I."""
         if not x1.shape[1]:
             return _no_mixing(len(x1))
         return _inverse_logdet(self._mixing_kernel(np.ascontiguousarray(x1), self.model.params))

@@ -49,13 +49,24 @@ class Kernel:
         self._run(x, params, out, self.threads)
         return out
 
+    def columns(self, x: np.ndarray, params: np.ndarray, out: np.ndarray) -> None:
+        """``out[:, i] = f(x[:, i], params)`` in place: x (n_in, n), out (n_out, n), by columns
+        (rows contiguous at any row stride, e.g. row blocks of one array)."""
+        params = np.ascontiguousarray(params, dtype=np.float64)
+        if params.size == 0:
+            params = np.zeros(1)
+        if self._run is None:
+            out[...] = self(np.ascontiguousarray(x.T), params).T
+            return
+        self._run.columns(x, params, out, self.threads)
 
-    def capsule(self):
-        """The compiled C function (a PyCapsule) for model-independent drivers."""
+    def capsule(self, layout: str = "row"):
+        """The compiled C function (a PyCapsule) for model-independent drivers: one sample's row,
+        or samples by columns (layout="columns")."""
         if self._run is None:
             raise ValueError(f"{self.spec.name}: the {self.backend!r} backend has no C function; "
                              "use backend='compiled'")
-        return self._run.capsule()
+        return self._run.capsule(layout)
 
 
 def _shape(spec) -> tuple[int, int]:

@@ -12,7 +12,7 @@ runs only over the nodes within reach of its own prior (radii, and with two laye
 about ±ω_ℓ: at q → 1 the prior concentrates on a few of a ring's angles).
 
 ``PolarRule`` is a mixin of the channels: a channel names the layers it integrates
-(``_polar_layers``), the node data (``_polar_data``) and what each sample contributes
+(``_polar_layers``), the node data (``_polar_fill``) and what each sample contributes
 (``_polar_input``); ``_quadrature.integrate_polar`` sums the 2^L reflected terms per node.
 """
 from __future__ import annotations
@@ -63,8 +63,9 @@ class PolarRule:
     ``error_estimate``, ``threads``, ``_spread`` and: ``_polar_applies`` (whether the model has
     a polar rule at all), ``_ring_layers`` (how many layers have a ring rule: their |ω_ℓ| set
     the groups and their conditional prior sd chooses the rule), ``_polar_layers(group, mu, V, scale)`` (the rings
-    of those layers, ``_polar_rings`` results), ``_polar_data(x)`` (the node rows after the log
-    weight), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
+    of those layers, ``_polar_rings`` results), ``_polar_fill(nodes, m)`` (the node data: rows
+    m + 1… of the nodes' columns from their coordinates, rows 0…m-1; ``_polar_data_rows`` of
+    them), ``_polar_input(y)`` (each sample's row for integrate_polar: u_L or y) and
     ``_polar_scale()`` (the ring count multiplier at the chosen ``nodes``)."""
 
     POLAR = dict(radial=32, density=0.0, c0=6.0, c1=3.0, c2=3.0, k0=12.0, cap=80, reach=7.0, fade=20.0,
@@ -224,39 +225,31 @@ class PolarRule:
 
     def _polar_pieces(self, plan):
         """The plan's kept nodes, POLAR_PIECE at a time (bounded memory, and each sample's reads
-        stay in cache; at least one block), one node per column [x, log weight,
-        ``_polar_data(x)``], set up in cache-sized parts of POLAR_NODE_CHUNK.  Yields (first
-        node, last node + 1, nodes)."""
+        stay in cache; at least one block), one node per column [x, log weight, node data],
+        set up in cache-sized parts of POLAR_NODE_CHUNK (``_quadrature.polar_product``, then
+        ``_polar_fill``).  Yields (first node, last node + 1, nodes)."""
         bound = plan.bound
         blocks = np.flatnonzero(np.diff(bound))
         if not blocks.size:
             return
         set_up = np.concatenate([[0], np.cumsum(plan.size)])
         piece = bound[blocks] // self.POLAR_PIECE
-        for part in np.split(blocks, np.flatnonzero(np.diff(piece)) + 1):
-            n0, n1 = bound[part[0]], bound[part[-1] + 1]
-            nodes = None
-            chunk = set_up[part] // self.POLAR_NODE_CHUNK
-            for sub in np.split(part, np.flatnonzero(np.diff(chunk)) + 1):
-                keep = None if plan.used is None else plan.used[set_up[sub[0]]:set_up[sub[-1] + 1]]
-                rows = self._product(plan.layers, sub, plan.size[sub], plan.shape, keep)
-                if nodes is None:
-                    nodes = np.empty((len(rows), n1 - n0))
-                nodes[:, bound[sub[0]] - n0:bound[sub[-1] + 1] - n0] = rows
-            yield n0, n1, nodes
-
-    def _product(self, layers, blocks, size, shape, keep=None):
-        """The nodes of the given blocks (flat indices into ``shape`` = (groups, rings per
-        layer...), ``size`` nodes each; ``_quadrature.polar_product``), those of the mask
-        ``keep`` only, as rows [x, log weight, ``_polar_data(x)``]."""
-        x, log_w = np.empty((size.sum(), layers[0].x.shape[1] * len(layers))), np.empty(size.sum())
+        layers = plan.layers
+        m = layers[0].x.shape[1] * len(layers)
         rings = [(rl.x, rl.log_w, np.cumsum(rl.count.ravel()) - rl.count.ravel(), rl.count.ravel())
                  for rl in (layers[0], layers[-1])]          # one layer: the second is ignored
-        _quadrature.polar_product(blocks, np.cumsum(size) - size, shape[1], shape[2] if len(layers) == 2 else 0,
-                                  *rings[0], *rings[1], x, log_w, self.threads)
-        if keep is not None:
-            x, log_w = x[keep], log_w[keep]
-        return np.concatenate([x.T, log_w[None], self._polar_data(x)])
+        for part in np.split(blocks, np.flatnonzero(np.diff(piece)) + 1):
+            n0, n1 = bound[part[0]], bound[part[-1] + 1]
+            nodes = np.empty((m + 1 + self._polar_data_rows, n1 - n0))
+            chunk = set_up[part] // self.POLAR_NODE_CHUNK
+            for sub in np.split(part, np.flatnonzero(np.diff(chunk)) + 1):
+                keep = (np.empty(0, dtype=np.uint8) if plan.used is None
+                        else plan.used[set_up[sub[0]]:set_up[sub[-1] + 1]].view(np.uint8))
+                _quadrature.polar_product(sub, set_up[sub] - set_up[sub[0]], bound[sub] - n0, plan.shape[1],
+                                          plan.shape[2] if len(layers) == 2 else 0, *rings[0], *rings[1], keep,
+                                          nodes, self.threads)
+                self._polar_fill(nodes[:, bound[sub[0]] - n0:bound[sub[-1] + 1] - n0], m)
+            yield n0, n1, nodes
 
     @staticmethod
     def _sample_far(rings, group):
@@ -419,7 +412,8 @@ def _arc_plan(layers, shape, size, start, sample, seg_b0, seg_b1, seg_ring, wind
     rings (``_window``): its segments of blocks seg_b0:seg_b1 (consecutive rings from seg_ring;
     blocks from ``start`` among the set-up nodes, ``size`` each) become one or two node ranges
     per block (``_quadrature.polar_arcs``), and only the nodes some range covers are kept (a
-    block is set up whole by ``polar_product``, but the kernel runs on its kept nodes alone)."""
+    block's pairs are all walked by ``polar_product``, but only its kept nodes are written and go
+    through the kernel)."""
     used = np.empty(start[-1], dtype=np.uint8)
     pairs = 2 * int((seg_b1 - seg_b0).sum())
     who, lo, hi = (np.empty(pairs, dtype=np.int64) for _ in range(3))
