@@ -1,6 +1,5 @@
 """Compile the committed kernels in generated/ (one extension module per .pyx, OpenMP)."""
-import platform
-import sys
+import runpy
 from pathlib import Path
 
 from Cython.Build import cythonize
@@ -19,12 +18,10 @@ class ParallelBuildExt(build_ext):
             self.parallel = True
 
 
-# the generated kernels' rows loops vectorise over samples (built where they run: -march=native),
-# calling glibc's vector exp and log (libmvec, x86-64 Linux) where -fno-math-errno lets them
-MVEC = platform.machine() == "x86_64" and sys.platform.startswith("linux")
-KERNELS = {"extra_compile_args": OPENMP["extra_compile_args"] + ["-march=native", "-fno-math-errno"]
-           + ["-DSMI_MVEC"] * MVEC, "extra_link_args": OPENMP["extra_link_args"] + ["-lmvec"] * MVEC}
-extensions = [Extension(f"generated.{p.stem}", [str(p)], **KERNELS)
+# the generated kernels: the flags codegen.build uses on demand too (loaded by path: no SymPy here)
+compile_args, link_args = runpy.run_path("codegen/flags.py")["kernel_flags"]()
+extensions = [Extension(f"generated.{p.stem}", [str(p)], extra_compile_args=compile_args,
+                        extra_link_args=link_args)
               for p in sorted(Path("generated").glob("*.pyx"))]
 # the channel's moment sums vectorise with the host's vector unit (built where it runs: pip install);
 # -fno-trapping-math lets the vectoriser turn the clamp of smi_exp_neg into a select

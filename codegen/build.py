@@ -17,6 +17,7 @@ from pathlib import Path
 
 from derive.registry import KernelSpec
 
+from .flags import kernel_flags
 from .generate import render_module
 
 
@@ -36,7 +37,7 @@ def _import(name: str, path: Path):
 def compile_module(kernels: list[KernelSpec], verbose: bool = True):
     """Render, write, compile (Cython + C compiler with OpenMP) and import a module."""
     text = render_module(kernels)
-    compile_args, link_args = _flags()
+    compile_args, link_args = kernel_flags()
     key = "\n".join([text, *compile_args, *link_args, _cpu()])
     name = "smi_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = cache_dir() / name
@@ -56,14 +57,6 @@ def compile_module(kernels: list[KernelSpec], verbose: bool = True):
     return _import(name, next(folder.glob(f"{name}*.so")))
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    """Compiler and linker flags, as setup.py builds generated/: vectorised over samples for this
-    CPU, with glibc's vector exp and log (libmvec) on x86-64 Linux."""
-    mvec = platform.machine() == "x86_64" and sys.platform.startswith("linux")
-    return (["-O3", "-fopenmp", "-march=native", "-fno-math-errno"] + ["-DSMI_MVEC"] * mvec,
-            ["-fopenmp"] + ["-lmvec"] * mvec)
-
-
 def _cpu() -> str:
     """The host CPU: its architecture and (Linux) the feature flags -march=native builds for."""
     try:
@@ -78,7 +71,7 @@ def _build_inplace(pyx: Path) -> None:
     from Cython.Build import cythonize
     from setuptools import Distribution, Extension
 
-    compile_args, link_args = _flags()
+    compile_args, link_args = kernel_flags()
     ext = Extension(pyx.stem, [str(pyx)], extra_compile_args=compile_args, extra_link_args=link_args)
     dist = Distribution({"ext_modules": cythonize([ext], language_level=3, quiet=True),
                          "script_name": "smi-build"})
