@@ -6,8 +6,6 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-OPENMP = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
-
 
 class ParallelBuildExt(build_ext):
     """Build the extension modules in parallel (one compiler per core)."""
@@ -23,11 +21,11 @@ compile_args, link_args = runpy.run_path("codegen/flags.py")["kernel_flags"]()
 extensions = [Extension(f"generated.{p.stem}", [str(p)], extra_compile_args=compile_args,
                         extra_link_args=link_args)
               for p in sorted(Path("generated").glob("*.pyx"))]
-# the channel's moment sums vectorise with the host's vector unit (built where it runs: pip install);
+# the channel's moment sums vectorise with the host's vector unit (built where it runs: pip install),
+# with the kernels' flags (libmvec's cos and sin for the adaptive rule's polar points);
 # -fno-trapping-math lets the vectoriser turn the clamp of smi_exp_neg into a select
 extensions.append(Extension("smi_core._quadrature", ["smi_core/_quadrature.pyx"],
-                            extra_compile_args=OPENMP["extra_compile_args"]
-                            + ["-march=native", "-fno-trapping-math"],
-                            extra_link_args=OPENMP["extra_link_args"]))
+                            extra_compile_args=compile_args + ["-fno-trapping-math"],
+                            extra_link_args=link_args))
 setup(ext_modules=cythonize(extensions, language_level=3, nthreads=2, quiet=True),
       cmdclass={"build_ext": ParallelBuildExt})

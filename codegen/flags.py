@@ -1,6 +1,6 @@
-"""Compiler and linker flags of the kernel modules, for setup.py (generated/, at install) and
-``codegen.build`` (on demand) alike.  No imports beyond the standard library: setup.py loads this
-file by path, in a build environment without SymPy."""
+"""Compiler and linker flags of the kernel modules, for setup.py (generated/ and
+smi_core._quadrature, at install) and ``codegen.build`` (on demand) alike.  No imports beyond the
+standard library: setup.py loads this file by path, in a build environment without SymPy."""
 from __future__ import annotations
 
 import platform

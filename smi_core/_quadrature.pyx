@@ -15,18 +15,18 @@ maximum of the log weights so nothing overflows.  The integrand comes from a gen
   f(x) = Σ_± N([x; ±h_L]; ω, V) / |det Φ|.
 - route 1 (Gaussian output noise Δ): x = Z; kernel x → g(x); f(x) = N(x; ω, V) N(y; g(x), Δ I).
 
-The adaptive drivers evaluate the integrand point by point through two functions: ``_place``
-(the node x = c_m + A_m ξ and its partition weight) and ``_terms`` (one kernel call → the terms
-of f at x, with their index matrices Z).  The fixed rule runs by tiles of nodes instead
-(``smi_laplace_tile``: the same integrand as loops over the tile that the compiler vectorises,
-the kernel still called node by node; 1.5–1.9× faster than point by point, moments within
-1e-14).  Drivers: ``integrate`` (a fixed rule on every partition piece),
+Both kinds of rule evaluate the integrand by columns of nodes, in loops the compiler vectorises
+and one kernel call per block (the kernel's columns entry point): the fixed rule by tiles of
+nodes (``smi_laplace_tile``), the adaptive rule by the 17 (d = 2) or 57 (d = 4) points of each
+Genz–Malik box (``_region``, ``_values``); both share the terms' log weights
+(``smi_term_logs``), their weights (``smi_weights``) and the moment sums (``smi_expand``,
+``smi_sums``).  Drivers: ``integrate`` (a fixed rule on every partition piece),
 ``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance; route 1 also on the prior's
 piece alone from boxes refined onto the likelihood's ridge, ``_ridge_boxes``), ``integrate_polar``
 (route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
 nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3:
 Genz–Malik in (t = |h_1|², θ), and for L = 3 also (t_2, θ_2) of u_2 = Φ⁽¹⁾h_2, from boxes the
-caller chose; the same ``_place`` and ``_terms``, in polar mode).
+caller chose; the same ``_region``, in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
@@ -43,8 +43,17 @@ ctypedef void (*cols_t)(const double*, long, const double*, double*, long, long)
 
 cdef extern from *:
     """
+    #include <math.h>
     #include <stdint.h>
     #include <string.h>
+    #if defined(SMI_MVEC) && defined(__x86_64__) && defined(__GLIBC__)
+    /* glibc's vector cos and sin (libmvec, linked where the build defines SMI_MVEC:
+       codegen/flags.py): the polar points of the adaptive rule vectorise */
+    #pragma omp declare simd notinbranch
+    double cos(double);
+    #pragma omp declare simd notinbranch
+    double sin(double);
+    #endif
     /* e^x for -700 <= x <= 0 (e^-700 below), inlined and vectorisable with AVX2 as with AVX-512
        (no double -> int64 conversion, no table gather): x = k ln2 + r with |r| <= ln2/2
        (Cody-Waite, k ln2_hi exact for |k| < 2^21), k = round(x/ln2) read from the low bits of
@@ -368,6 +377,228 @@ cdef extern from *:
         return mx;
     }
 
+    /* Helpers of the node loops by columns (``smi_laplace_tile``, ``_region``): row r of a block is
+       at r * st, its K nodes contiguous.  The index matrices Z_s of term s are the rows of X (RT
+       rows: x = h_{<L} in rows < d, h_L in rows d .. RT - 1) with the rows of a layer negated where
+       s says so: h_L where bit 0 of s is set, layer l < L (row i < d, l = i / T) where bit l + 1
+       is (the polar rules' reflections; route 1 has one term, Z = x).  So nt = 2 flips h_L only. */
+    static inline double smi_sign(int s, int i, int d, int T) {
+        return ((i >= d ? s : s >> (1 + i / T)) & 1) ? -1.0 : 1.0;
+    }
+
+    /* Route 0: the kernel's outputs KO = [h_L (T rows), log|det Phi|] into X's rows d .. d + T - 1,
+       and OK = 1 where they are all finite (else 0, and h_L = 0 there). */
+    static void smi_last_layer(int T, int d, long K, long st, const double* KO, double* X, double* OK) {
+        for (long k = 0; k < K; k++)
+            OK[k] = SMI_FINITE(KO[T * st + k]) ? 1.0 : 0.0;
+        for (int t = 0; t < T; t++)
+            for (long k = 0; k < K; k++)
+                OK[k] = SMI_FINITE(KO[t * st + k]) ? OK[k] : 0.0;
+        for (int t = 0; t < T; t++) {
+            double* restrict Xh = X + (d + t) * st;
+            const double* restrict Ht = KO + t * st;
+            #pragma omp simd
+            for (long k = 0; k < K; k++)
+                Xh[k] = OK[k] > 0 ? Ht[k] : 0.0;
+        }
+    }
+
+    /* The terms' log weights, LF row s = LB + lf_s for s < nt, with lf_s = const0 - Q(Z_s)/2 -
+       (route 0) log|det Phi| or (route 1) |data - g|^2 / (2 delta), Q(Z) = sum_t (Z_t - omega_t)'
+       P (Z_t - omega_t); -inf where OK = 0 or not finite.  Returns their maximum. */
+    static double smi_term_logs(int route, int nt, int R, int T, int d, long K, long st,
+                                const double* X, const double* KO, const double* OK,
+                                const double* omega, const double* P, double const0, int n_out,
+                                const double* data, double delta, const double* LB, double* LF) {
+        double mx = -INFINITY;
+        for (int s = 0; s < nt; s++) {
+            double* restrict Ls = LF + s * st;
+            for (long k = 0; k < K; k++)
+                Ls[k] = 0.0;
+            for (int t = 0; t < T; t++)
+                for (int a = 0; a < R; a++)
+                    for (int b = a; b < R; b++) {               /* P symmetric */
+                        const double p = (a == b ? 1.0 : 2.0) * P[a * R + b];
+                        const double oa = omega[a * T + t], ob = omega[b * T + t];
+                        const double sa = smi_sign(s, a * T + t, d, T), sb = smi_sign(s, b * T + t, d, T);
+                        const double* restrict Xa = X + (a * T + t) * st;
+                        const double* restrict Xb = X + (b * T + t) * st;
+                        #pragma omp simd
+                        for (long k = 0; k < K; k++)
+                            Ls[k] += p * (sa * Xa[k] - oa) * (sb * Xb[k] - ob);
+                    }
+            if (route == 0) {
+                const double* restrict LD = KO + T * st;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Ls[k] = const0 - 0.5 * Ls[k] - (OK[k] > 0 ? LD[k] : 0.0);
+            } else {
+                const double c2 = 0.5 / delta;
+                for (long k = 0; k < K; k++)
+                    Ls[k] = const0 - 0.5 * Ls[k];
+                for (int o = 0; o < n_out; o++) {
+                    const double y = data[o];
+                    const double* restrict G = KO + o * st;
+                    #pragma omp simd
+                    for (long k = 0; k < K; k++)
+                        Ls[k] -= c2 * (y - G[k]) * (y - G[k]);
+                }
+            }
+            #pragma omp simd reduction(max: mx)
+            for (long k = 0; k < K; k++) {
+                double v = LB[k] + Ls[k];
+                int ok = OK[k] > 0 && SMI_FINITE(v);
+                Ls[k] = ok ? v : -INFINITY;
+                mx = ok && v > mx ? v : mx;
+            }
+        }
+        return mx;
+    }
+
+    /* The terms' weights end to end (column s K + k: term s at node k), Wc = e^(LF - mx) times
+       INV (1 where INV is NULL), from their logs LF (nt rows of stride st). */
+    static void smi_weights(int nt, long K, long st, double mx, const double* INV, const double* LF,
+                            double* Wc) {
+        for (int s = 0; s < nt; s++) {
+            const double* restrict Ls = LF + s * st;
+            double* restrict Ws = Wc + s * K;
+            if (INV) {
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Ws[k] = Ls[k] > -INFINITY ? smi_exp_neg(Ls[k] - mx) * INV[k] : 0.0;
+            } else {
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Ws[k] = Ls[k] > -INFINITY ? smi_exp_neg(Ls[k] - mx) : 0.0;
+            }
+        }
+    }
+
+    /* The nt terms' index matrices end to end, as their weights (``smi_weights``): Zc (RT rows of
+       nt K) = Z_s - ref. */
+    static void smi_expand(int nt, int RT, int T, int d, long K, long st, const double* X,
+                           const double* ref, double* Zc) {
+        const long N = nt * K;
+        for (int s = 0; s < nt; s++) {
+            for (int i = 0; i < RT; i++) {
+                const double si = smi_sign(s, i, d, T), ri = ref[i];
+                const double* restrict Xi = X + i * st;
+                double* restrict Zi = Zc + i * N + s * K;
+                #pragma omp simd
+                for (long k = 0; k < K; k++)
+                    Zi[k] = si * Xi[k] - ri;
+            }
+        }
+    }
+
+    /* The adaptive rule (``_region``): W = the weights Wc (nt K, ``smi_weights``) times the
+       degree-7 rule's weights w7 of their points, then (row 2, nt K more) times the degree-5
+       rule's w5; mass = the sum of the terms per point. */
+    static void smi_rule_weights(int nt, long K, const double* Wc, const double* w7, const double* w5,
+                                 double* W, double* mass) {
+        for (long k = 0; k < K; k++)
+            mass[k] = 0.0;
+        for (int s = 0; s < nt; s++) {
+            const double* restrict Ws = Wc + s * K;
+            double* restrict W7 = W + s * K;
+            double* restrict W5 = W + (nt + s) * K;
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                W7[k] = Ws[k] * w7[k];
+                W5[k] = Ws[k] * w5[k];
+                mass[k] += Ws[k];
+            }
+        }
+    }
+
+    /* out = [s0, s1, the upper triangle of s2 row by row] = sum_k W[k] [1, Zc_k, Zc_k Zc_k'] over
+       the N columns of Zc (RT rows), for each of the nw = 1 or 2 rows of W (stride N; the sums of
+       row 1 at out + 1 + RT + RT (RT + 1) / 2), in one pass over Zc. */
+    static inline __attribute__((always_inline)) void smi_sums_n(long N, int RT, const int nw,
+                                                                 const double* W, const double* Zc,
+                                                                 double* out) {
+        const double* restrict Wa = W;
+        const double* restrict Wb = W + (nw - 1) * N;
+        double* outb = out + (nw - 1) * (1 + RT + RT * (RT + 1) / 2);
+        double a0 = 0.0, b0 = 0.0;
+        #pragma omp simd reduction(+: a0, b0)
+        for (long k = 0; k < N; k++) {
+            a0 += Wa[k];
+            b0 += Wb[k];
+        }
+        out[0] = a0;
+        outb[0] = b0;
+        for (int i = 0, r = 1 + RT; i < RT; i++) {
+            const double* restrict Zi = Zc + i * N;
+            double a1 = 0.0, b1 = 0.0;
+            #pragma omp simd reduction(+: a1, b1)
+            for (long k = 0; k < N; k++) {
+                a1 += Wa[k] * Zi[k];
+                b1 += Wb[k] * Zi[k];
+            }
+            out[1 + i] = a1;
+            outb[1 + i] = b1;
+            for (int j = i; j < RT; j++, r++) {
+                const double* restrict Zj = Zc + j * N;
+                double a2 = 0.0, b2 = 0.0;
+                #pragma omp simd reduction(+: a2, b2)
+                for (long k = 0; k < N; k++) {
+                    const double p = Zi[k] * Zj[k];
+                    a2 += Wa[k] * p;
+                    b2 += Wb[k] * p;
+                }
+                out[r] = a2;
+                outb[r] = b2;
+            }
+        }
+    }
+    static void smi_sums(long N, int RT, int nw, const double* W, const double* Zc, double* out) {
+        if (nw == 2)
+            smi_sums_n(N, RT, 2, W, Zc, out);
+        else
+            smi_sums_n(N, RT, 1, W, Zc, out);
+    }
+
+    /* Polar points of the adaptive rule (``_values``), by columns (row stride st): X rows 0, 1 =
+       h_1 = sqrt(t) (cos th, sin th) from XI rows 0, 1 = (t, th), LB = log of dh_1 / (dt dth) =
+       -log 2; with d = 4 also IN = [u_2 = sqrt(t_2) (cos th_2, sin th_2); h_1] (rows 0-3, the
+       inputs of the kernel (u_2, h_1) -> [Phi1^-1 u_2; log|det Phi1|]) from XI rows 2, 3, and
+       LB = -2 log 2 (``smi_polar_layer2`` adds the rest). */
+    static void smi_polar_points(int d, long K, long st, const double* XI, double* X, double* IN,
+                                 double* LB) {
+        for (int l = 0; l < d / 2; l++) {
+            const double* restrict t = XI + 2 * l * st;
+            const double* restrict th = t + st;
+            double* restrict c = (l == 0 ? X : IN);
+            double* restrict s = c + st;
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                const double r = sqrt(t[k]);
+                c[k] = r * cos(th[k]);
+                s[k] = r * sin(th[k]);
+            }
+        }
+        for (long k = 0; k < K; k++)
+            LB[k] = -(d / 2) * M_LN2;
+        if (d == 4)
+            for (long k = 0; k < K; k++) {
+                IN[2 * st + k] = X[k];
+                IN[3 * st + k] = X[st + k];
+            }
+    }
+
+    /* d = 4: the kernel's outputs OUT = [h_2; log|det Phi1|] into X rows 2, 3 and LB (- log|det
+       Phi1|); where they are not finite (det Phi1 = 0), h_2 = 0 and LB = -inf. */
+    static void smi_polar_layer2(long K, long st, const double* OUT, double* X, double* LB) {
+        #pragma omp simd
+        for (long k = 0; k < K; k++) {
+            const int ok = SMI_FINITE(OUT[k]) && SMI_FINITE(OUT[st + k]) && SMI_FINITE(OUT[2 * st + k]);
+            X[2 * st + k] = ok ? OUT[k] : 0.0;
+            X[3 * st + k] = ok ? OUT[st + k] : 0.0;
+            LB[k] = ok ? LB[k] - OUT[2 * st + k] : -INFINITY;
+        }
+    }
+
     /* The Laplace rule (``integrate``) on K <= SMI_TILE nodes x_k = c_m + A_m xi_k of partition
        piece m of one sample, by rows of the tile (the loops over the nodes vectorise, and so
        does the kernel's, by columns): the nodes; their partition weights pi_m(x_k), as the log
@@ -379,7 +610,7 @@ cdef extern from *:
        Z = [x; +-h_L] with lf = const0 - Q(Z)/2 - log|det Phi|; route 1: Z = x, kernel x -> g
        (n_out values), one term, lf = const0 - Q(Z)/2 - |data - g|^2 / (2 delta); Q(Z) =
        sum_t (Z_t - omega_t)' P (Z_t - omega_t).  Terms with a non-finite value weigh 0.  buf:
-       (n_data + RT + M + n_out + 6) SMI_TILE doubles, its first n_data rows each filled with
+       (n_data + 3 RT + M + n_out + 8) SMI_TILE doubles, its first n_data rows each filled with
        its datum by the caller (route 0: the kernel's inputs are these rows and x's). */
     typedef void (*smi_kernel_cols)(const double*, long, const double*, double*, long, long);
     static double smi_laplace_tile(int route, smi_kernel_cols f, const double* par,
@@ -389,7 +620,7 @@ cdef extern from *:
                                    const double* A, const double* H, const double* logh,
                                    double ldA, const double* xi, const double* lw, long K,
                                    const double* ref, double floor, double* buf, double* out) {
-        const int RT = R * T, nt = route == 0 ? 2 : 1, last = route == 0 ? d : RT;
+        const int RT = R * T, nt = route == 0 ? 2 : 1;
         double* X = buf + n_data * SMI_TILE;            /* Z of the first term, RT rows */
         double* LQ = X + RT * SMI_TILE;                 /* the pieces' lq, M rows */
         double* KO = LQ + M * SMI_TILE;                 /* kernel outputs, n_out rows */
@@ -398,6 +629,8 @@ cdef extern from *:
         double* LMX = INV + SMI_TILE;
         double* OK = LMX + SMI_TILE;
         double* LF = OK + SMI_TILE;                     /* nt rows */
+        double* WC = LF + nt * SMI_TILE;                /* nt rows */
+        double* ZC = WC + nt * SMI_TILE;                /* RT rows of nt SMI_TILE */
         const double* c = centers + m * d;
         const double* Am = A + m * d * d;
         for (int i = 0; i < d; i++) {                   /* the nodes */
@@ -461,110 +694,18 @@ cdef extern from *:
             }
         }
         f(route == 0 ? buf : X, SMI_TILE, par, KO, SMI_TILE, K);     /* the kernel, by columns */
-        for (long k = 0; k < K; k++)
-            OK[k] = 1.0;
-        if (route == 0) {                               /* h_L: the last layer's rows */
-            for (int t = 0; t < T; t++)
-                for (long k = 0; k < K; k++)
-                    OK[k] = SMI_FINITE(KO[t * SMI_TILE + k]) ? OK[k] : 0.0;
+        if (route == 0)
+            smi_last_layer(T, d, K, SMI_TILE, KO, X, OK);
+        else
             for (long k = 0; k < K; k++)
-                OK[k] = SMI_FINITE(KO[T * SMI_TILE + k]) ? OK[k] : 0.0;
-            for (int t = 0; t < T; t++) {
-                double* restrict Xh = X + (d + t) * SMI_TILE;
-                const double* restrict Ht = KO + t * SMI_TILE;
-                #pragma omp simd
-                for (long k = 0; k < K; k++)
-                    Xh[k] = OK[k] > 0 ? Ht[k] : 0.0;
-            }
-        }
-        for (int s = 0; s < nt; s++)                    /* the terms' log weights */
-            for (long k = 0; k < K; k++)
-                LF[s * SMI_TILE + k] = 0.0;
-        for (int t = 0; t < T; t++)
-            for (int a = 0; a < R; a++)
-                for (int b = 0; b < R; b++) {
-                    const double p = P[a * R + b], oa = omega[a * T + t], ob = omega[b * T + t];
-                    const double* restrict Xa = X + (a * T + t) * SMI_TILE;
-                    const double* restrict Xb = X + (b * T + t) * SMI_TILE;
-                    double* restrict L0 = LF;
-                    #pragma omp simd
-                    for (long k = 0; k < K; k++)
-                        L0[k] += p * (Xa[k] - oa) * (Xb[k] - ob);
-                    if (nt == 2) {                      /* the sign of h_L flipped */
-                        const double sa = a * T + t >= d ? -1.0 : 1.0, sb = b * T + t >= d ? -1.0 : 1.0;
-                        double* restrict L1 = LF + SMI_TILE;
-                        #pragma omp simd
-                        for (long k = 0; k < K; k++)
-                            L1[k] += p * (sa * Xa[k] - oa) * (sb * Xb[k] - ob);
-                    }
-                }
-        if (route == 0) {
-            const double* restrict LD = KO + T * SMI_TILE;
-            for (int s = 0; s < 2; s++) {
-                double* restrict Ls = LF + s * SMI_TILE;
-                #pragma omp simd
-                for (long k = 0; k < K; k++)
-                    Ls[k] = const0 - 0.5 * Ls[k] - (OK[k] > 0 ? LD[k] : 0.0);
-            }
-        } else {
-            const double c2 = 0.5 / delta;
-            for (long k = 0; k < K; k++)
-                LF[k] = const0 - 0.5 * LF[k];
-            for (int o = 0; o < n_out; o++) {
-                const double y = data[o];
-                const double* restrict G = KO + o * SMI_TILE;
-                #pragma omp simd
-                for (long k = 0; k < K; k++)
-                    LF[k] -= c2 * (y - G[k]) * (y - G[k]);
-            }
-        }
-        double mx = -INFINITY;
-        for (int s = 0; s < nt; s++) {
-            double* restrict Ls = LF + s * SMI_TILE;
-            #pragma omp simd reduction(max: mx)
-            for (long k = 0; k < K; k++) {
-                double v = LB[k] + Ls[k];
-                int ok = OK[k] > 0 && SMI_FINITE(v);
-                Ls[k] = ok ? v : -INFINITY;
-                mx = ok && v > mx ? v : mx;
-            }
-        }
+                OK[k] = 1.0;
+        double mx = smi_term_logs(route, nt, R, T, d, K, SMI_TILE, X, KO, OK, omega, P, const0, n_out,
+                                  data, delta, LB, LF);
         if (mx < floor || mx == -INFINITY)              /* the tile is negligible */
             return mx;
-        for (int s = 0; s < nt; s++) {
-            double* restrict Ls = LF + s * SMI_TILE;
-            #pragma omp simd
-            for (long k = 0; k < K; k++)
-                Ls[k] = Ls[k] > -INFINITY ? smi_exp_neg(Ls[k] - mx) * INV[k] : 0.0;
-        }
-        for (int r = 0; r < 1 + RT + RT * (RT + 1) / 2; r++)
-            out[r] = 0.0;
-        for (int s = 0; s < nt; s++) {
-            const double* restrict Ws = LF + s * SMI_TILE;
-            double s0 = 0.0;
-            #pragma omp simd reduction(+: s0)
-            for (long k = 0; k < K; k++)
-                s0 += Ws[k];
-            out[0] += s0;
-            for (int i = 0, r = 0; i < RT; i++) {
-                const double si = s == 1 && i >= last ? -1.0 : 1.0, ri = ref[i];
-                const double* restrict Xi = X + i * SMI_TILE;
-                double s1 = 0.0;
-                #pragma omp simd reduction(+: s1)
-                for (long k = 0; k < K; k++)
-                    s1 += Ws[k] * (si * Xi[k] - ri);
-                out[1 + i] += s1;
-                for (int j = i; j < RT; j++, r++) {
-                    const double sj = s == 1 && j >= last ? -1.0 : 1.0, rj = ref[j];
-                    const double* restrict Xj = X + j * SMI_TILE;
-                    double s2 = 0.0;
-                    #pragma omp simd reduction(+: s2)
-                    for (long k = 0; k < K; k++)
-                        s2 += Ws[k] * (si * Xi[k] - ri) * (sj * Xj[k] - rj);
-                    out[1 + RT + r] += s2;
-                }
-            }
-        }
+        smi_weights(nt, K, SMI_TILE, mx, INV, LF, WC);
+        smi_expand(nt, RT, T, d, K, SMI_TILE, X, ref, ZC);
+        smi_sums(nt * K, RT, 1, WC, ZC, out);
         return mx;
     }
     """
@@ -580,6 +721,21 @@ cdef extern from *:
     double smi_sphere2(const double* u, const double* om, const double* P, double const0,
                        const double* nodes, long stride, long K, double floor, double* buf,
                        double* out) noexcept nogil
+    void smi_last_layer(int T, int d, long K, long st, const double* KO, double* X, double* OK) noexcept nogil
+    double smi_term_logs(int route, int nt, int R, int T, int d, long K, long st, const double* X,
+                         const double* KO, const double* OK, const double* omega, const double* P,
+                         double const0, int n_out, const double* data, double delta, const double* LB,
+                         double* LF) noexcept nogil
+    void smi_weights(int nt, long K, long st, double mx, const double* INV, const double* LF,
+                     double* Wc) noexcept nogil
+    void smi_expand(int nt, int RT, int T, int d, long K, long st, const double* X, const double* ref,
+                    double* Zc) noexcept nogil
+    void smi_rule_weights(int nt, long K, const double* Wc, const double* w7, const double* w5, double* W,
+                          double* mass) noexcept nogil
+    void smi_sums(long N, int RT, int nw, const double* W, const double* Zc, double* out) noexcept nogil
+    void smi_polar_points(int d, long K, long st, const double* XI, double* X, double* IN,
+                          double* LB) noexcept nogil
+    void smi_polar_layer2(long K, long st, const double* OUT, double* X, double* LB) noexcept nogil
     double smi_laplace_tile(int route, cols_t f, const double* par, int n_data,
                             int n_out, const double* data, double delta, const double* omega,
                             const double* P, double const0, int R, int T, int d, int M, int m,
@@ -673,10 +829,10 @@ cdef inline void _add_sums(Acc* acc, double top, const double* part) noexcept no
 
 cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
     int route, R, T, d, M, n_data, n_node, active, polar
-    kernel_t f
-    kernel_t f1        # polar mode, L = 3: (u_2, h_1) → [Φ⁽¹⁾⁻¹u_2; log|det Φ⁽¹⁾|]
-    double in1[4]
-    double out1[3]
+    int nt             # terms per point: 2 (route 0: ±h_L), 2^L (polar: each earlier layer reflected too), 1
+    long st            # points per column block (the Genz–Malik rule's count in d dimensions)
+    cols_t f           # the kernel by columns
+    cols_t f1          # polar mode, L = 3: (u_2, h_1) → [Φ⁽¹⁾⁻¹u_2; log|det Φ⁽¹⁾|], by columns
     const double* par
     const double* data
     const double* omega
@@ -687,25 +843,43 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     const double* H
     const double* logh
     const double* ref
-    double* node_in
-    double* node_out
-    double* x
-    double* Z          # up to 8 terms × RT
-    double* lf         # up to 8 terms
+    double* x          # one point (``_place``) and its ξ
+    double* xj
+    double* IN1        # polar mode, L = 3: f1's inputs and outputs by columns (4 and 3 rows)
+    double* OUT1
     double* lq
     double* ldA        # log|det A_m| per piece
-    double* P          # one point's moment sums (1 + RT + RT²), ``_point``
+    double* buf        # the kernel's inputs by columns: route 0 [data rows; X], route 1 X
+    double* X          # Z of the first term (RT rows; route 0: x, then h_L from the kernel)
+    double* KO         # the kernel's outputs (n_node rows)
+    double* LB         # the points' log partition weights (relative to shift)
+    double* OK
+    double* LF         # the terms' log weights (nt rows)
+    double* WC         # their weights end to end (``smi_weights``: column k·np + j, term k at point j)
+    double* ZC         # the terms' Z - ref end to end (``smi_expand``: RT rows of nt·st)
+    double* W          # the terms' weights end to end times the 7-rule's weights, then times the 5-rule's
+    double* mass       # the points' values (Σ over the terms)
+    double* xi         # the points' ξ (d rows of st)
+    double* w7         # the rules' weights per point
+    double* w5
+    double* packed     # the two rules' moment sums as ``smi_sums`` writes them
 
 
-cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const double* data,
+cdef inline int _gm_count(int d) noexcept nogil:
+    """Points of the Genz–Malik rule in d dimensions: 1 + 4d + 2d(d - 1) + 2^d."""
+    return 1 + 4 * d + 2 * d * (d - 1) + (1 << d)
+
+
+cdef double* _site_init(Site* s, int route, cols_t f, const double* par, const double* data,
                         int n_data, const double* omega, const double* Vinv, double const0,
                         const double* centers, const double* A, const double* H,
                         const double* logh, int M, int d, const double* ref, int R, int T,
                         int n_node, double delta) noexcept nogil:
     """Fill ``s`` and allocate its scratch (returned; the caller frees it)."""
-    cdef int i, m, RT = R * T
-    cdef double* work = <double*> malloc((n_data + d + n_node * (1 + d) + d + 8 * RT + 8 + 2 * M + 1
-                                          + 1 + RT + RT * RT) * sizeof(double))
+    cdef int i, j, m, RT = R * T, nt = 1 if route == 1 else 2
+    cdef long st = _gm_count(d)
+    cdef int n_sums = 1 + RT + RT * (RT + 1) // 2
+    cdef double* work
     s.route, s.R, s.T, s.d, s.M, s.n_data, s.n_node = route, R, T, d, M, n_data, n_node
     s.polar = 0
     s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
@@ -717,19 +891,35 @@ cdef double* _site_init(Site* s, int route, kernel_t f, const double* par, const
             s.active += 1
         if logh[i] > s.shift:
             s.shift = logh[i]
-    s.node_in = work
-    s.node_out = work + n_data + d
-    s.x = s.node_out + n_node * (1 + d)
-    s.Z = s.x + d
-    s.lf = s.Z + 8 * RT
-    s.lq = s.lf + 8
+    s.nt, s.st = nt, st
+    work = <double*> malloc((2 * d + 2 * M + 1 + st * (n_data + RT + n_node + 2 + 8 * (RT + 4) + 1 + d + 2 + 7)
+                             + 2 * n_sums) * sizeof(double))
+    s.x = work
+    s.xj = s.x + d
+    s.lq = s.xj + d
     s.ldA = s.lq + M + 1
-    s.P = s.ldA + M
+    s.buf = s.ldA + M
+    s.X = s.buf + n_data * st
+    s.KO = s.X + RT * st
+    s.LB = s.KO + n_node * st
+    s.OK = s.LB + st
+    s.LF = s.OK + st
+    s.WC = s.LF + 8 * st
+    s.ZC = s.WC + 8 * st
+    s.W = s.ZC + 8 * RT * st
+    s.mass = s.W + 16 * st
+    s.xi = s.mass + st
+    s.w7 = s.xi + d * st
+    s.w5 = s.w7 + st
+    s.IN1 = s.w5 + st
+    s.OUT1 = s.IN1 + 4 * st
+    s.packed = s.OUT1 + 3 * st
     for m in range(M if A != NULL else 0):
         s.ldA[m] = _logdet_tri(A + m * d * d, d)
-    if route == 0:
+    if route == 0:                      # the kernel's data rows
         for i in range(n_data):
-            s.node_in[i] = data[i]
+            for j in range(st):
+                s.buf[i * st + j] = data[i]
     return work
 
 
@@ -743,21 +933,9 @@ cdef inline void _affine(Site* s, int m, const double* xi) noexcept nogil:
 
 
 cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
-    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight).
-    Polar sites (``integrate_polar_adaptive``): ξ = (t, θ), x = √t (cos θ, sin θ), dx = ½ dt dθ;
-    with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 = √t_2 (cos θ_2, sin θ_2) and
-    x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|."""
+    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight)."""
     cdef int d = s.d, j
     cdef double base = s.ldA[m], lmax, lse
-    if s.polar:
-        s.x[0], s.x[1] = sqrt(xi[0]) * cos(xi[1]), sqrt(xi[0]) * sin(xi[1])
-        if d == 2:
-            return -M_LN2
-        s.in1[0], s.in1[1] = sqrt(xi[2]) * cos(xi[3]), sqrt(xi[2]) * sin(xi[3])
-        s.in1[2], s.in1[3] = s.x[0], s.x[1]
-        s.f1(s.in1, s.par, s.out1)
-        s.x[2], s.x[3] = s.out1[0], s.out1[1]
-        return -2 * M_LN2 - s.out1[2]
     _affine(s, m, xi)
     if s.active > 1:
         lmax = -INFINITY
@@ -770,42 +948,6 @@ cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
             lse += smi_exp_neg(s.lq[j] - lmax)
         base += s.lq[m] - lmax - (log(lse) if lse > 1.0 + 1e-8 else lse - 1.0)   # (log(1 + ε) - ε < 5e-17)
     return base
-
-
-cdef int _terms(Site* s, const double* x) noexcept nogil:
-    """The integrand at x, as a sum of terms exp(s.lf[k]) at index matrices s.Z[k·RT:]; returns
-    their number.  Route 0: the two signs of h_L (2 terms from one kernel call; polar sites also
-    reflect each earlier layer h_ℓ of x, Φ being even in each: 4 terms for L = 2, 8 for L = 3).
-    Route 1: one term.  Non-finite terms get lf = -inf."""
-    cdef int d = s.d, RT = s.R * s.T, T = s.T, i, k, nt
-    cdef double* Z
-    cdef double sq, r
-    if s.route == 0:
-        for i in range(d):
-            s.node_in[s.n_data + i] = x[i]
-        s.f(s.node_in, s.par, s.node_out)
-        nt = (2 << (d // T)) if s.polar else 2
-        for k in range(nt):
-            Z = s.Z + k * RT
-            for i in range(d):
-                Z[i] = -x[i] if k & (2 << (i // T)) else x[i]
-            for i in range(T):
-                Z[d + i] = -s.node_out[i] if k & 1 else s.node_out[i]
-            s.lf[k] = s.const0 - 0.5 * _quad_v(Z, s.omega, s.Vinv, s.R, T) - s.node_out[T]
-            if not isfinite(s.lf[k]):          # det Φ = 0: the Gaussian factor vanishes there
-                s.lf[k] = -INFINITY
-        return nt
-    s.f(x, s.par, s.node_out)
-    sq = 0.0
-    for i in range(s.n_node):
-        r = s.data[i] - s.node_out[i]
-        sq += r * r
-    for i in range(RT):
-        s.Z[i] = x[i]
-    s.lf[0] = s.const0 - 0.5 * _quad_v(x, s.omega, s.Vinv, s.R, T) - 0.5 * sq / s.delta
-    if not isfinite(s.lf[0]):
-        s.lf[0] = -INFINITY
-    return 1
 
 
 cdef void _acc_init(Acc* acc, int RT) noexcept nogil:
@@ -843,9 +985,9 @@ cdef void _sample(int route, cols_t f, const double* par, const double* data, in
     if route == 1:
         const0 -= 0.5 * n_node * log(2 * M_PI * delta)
     cdef int j
-    cdef double* buf = <double*> malloc(((n_data + RT + M + n_out + 6) * SMI_TILE + 1 + RT + RT * RT)
+    cdef double* buf = <double*> malloc(((n_data + 3 * RT + M + n_out + 8) * SMI_TILE + 1 + RT + RT * RT)
                                         * sizeof(double))
-    cdef double* part = buf + (n_data + RT + M + n_out + 6) * SMI_TILE
+    cdef double* part = buf + (n_data + 3 * RT + M + n_out + 8) * SMI_TILE
     if route == 0:                      # the kernel's data rows
         for j in range(n_data):
             for K in range(SMI_TILE):
@@ -1417,94 +1559,127 @@ cdef void _modes_one(int route, kernel_t f, const double* par, const double* dat
 cdef double GM_L2 = sqrt(9.0 / 70.0), GM_L3 = sqrt(9.0 / 10.0), GM_L5 = sqrt(9.0 / 19.0)
 
 
-cdef double _point(Site* s, int m, const double* xi, double weight, double* S0, double* S1,
-                   double* S2, double w5, double* S0b, double* S1b, double* S2b) noexcept nogil:
-    """Add weight × f(x) π_m(x) |det A_m| (both rules: weights ``weight`` and ``w5``) at
-    x = c_m + A_m ξ to the moment sums; returns the mass value (for fourth differences)."""
-    cdef int RT = s.R * s.T, i, j, k, nt
-    cdef double base = _place(s, m, xi) - s.shift, v, vi, total = 0.0
-    cdef double* Z
-    cdef double* P1 = s.P + 1
-    cdef double* P2 = s.P + 1 + RT
-    nt = _terms(s, s.x)
-    for i in range(RT * RT):
-        P2[i] = 0.0
-    for i in range(RT):
-        P1[i] = 0.0
-    for k in range(nt):                     # the point's own sums first, then both rules
-        if not base + s.lf[k] > -300.0:     # (also skips subnormal weights: slow, and negligible)
-            continue
-        Z = s.Z + k * RT
-        v = exp(base + s.lf[k])
-        total += v
-        for i in range(RT):
-            vi = v * (Z[i] - s.ref[i])
-            P1[i] += vi
-            for j in range(i, RT):
-                P2[i * RT + j] += vi * (Z[j] - s.ref[j])
-    S0[0] += weight * total
-    S0b[0] += w5 * total
-    for i in range(RT):
-        S1[i] += weight * P1[i]
-        S1b[i] += w5 * P1[i]
-        for j in range(i, RT):
-            S2[i * RT + j] += weight * P2[i * RT + j]
-            S2b[i * RT + j] += w5 * P2[i * RT + j]
-    return total
+cdef int _gm_points(int d, const double* c, const double* h, double* xi, long st, double* w7,
+                    double* w5) noexcept nogil:
+    """The Genz–Malik points on the box c ± h into xi (d rows of stride st) with the degree-7 and
+    degree-5 rules' weights (the box's volume included): the centre; per axis i, ±λ₂ and ±λ₃
+    along it (points 1 + 4i … 4 + 4i, the fourth differences); ±λ₃ on pairs of axes; the corners
+    ±λ₅ (weight 0 in the 5-rule).  Returns their count (``_gm_count``)."""
+    cdef int i, j, k, corner, p = 1
+    cdef double vol = 1.0
+    cdef double lam[4]
+    cdef double w[4]
+    cdef double v[4]
+    for i in range(d):
+        vol *= 2.0 * h[i]
+    lam[0], lam[1], lam[2], lam[3] = GM_L2, -GM_L2, GM_L3, -GM_L3
+    w[0] = w[1] = vol * 980.0 / 6561.0
+    w[2] = w[3] = vol * (1820.0 - 400.0 * d) / 19683.0
+    v[0] = v[1] = vol * 245.0 / 486.0
+    v[2] = v[3] = vol * (265.0 - 100.0 * d) / 1458.0
+    for j in range(_gm_count(d)):
+        for i in range(d):
+            xi[i * st + j] = c[i]
+    w7[0] = vol * (12824.0 - 9120.0 * d + 400.0 * d * d) / 19683.0
+    w5[0] = vol * (729.0 - 950.0 * d + 50.0 * d * d) / 729.0
+    for i in range(d):
+        for k in range(4):
+            xi[i * st + p] += lam[k] * h[i]
+            w7[p], w5[p] = w[k], v[k]
+            p += 1
+    for i in range(d):
+        for j in range(i + 1, d):
+            for k in range(4):
+                xi[i * st + p] += (GM_L3 if k & 1 else -GM_L3) * h[i]
+                xi[j * st + p] += (GM_L3 if k & 2 else -GM_L3) * h[j]
+                w7[p], w5[p] = vol * 200.0 / 19683.0, vol * 25.0 / 729.0
+                p += 1
+    for corner in range(1 << d):
+        for i in range(d):
+            xi[i * st + p] += (GM_L5 if (corner >> i) & 1 else -GM_L5) * h[i]
+        w7[p], w5[p] = vol * 6859.0 / 19683.0 / (1 << d), 0.0
+        p += 1
+    return p
+
+
+cdef double _values(Site* s, int m, int np) noexcept nogil:
+    """The integrand at the np points ξ_j of s.xi (piece m), by columns: s.WC[k·np + j] =
+    e^(lb_j + lf_kj - mx), the weight of term k at point j.  The points x = c_m + A_m ξ and their
+    partition weights (``_place``); polar sites (``integrate_polar_adaptive``): ξ = (t, θ),
+    x = √t (cos θ, sin θ), dx = ½ dt dθ; with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 =
+    √t_2 (cos θ_2, sin θ_2) and x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|
+    (``smi_polar_points``, ``smi_polar_layer2``).  The terms as ``smi_term_logs``, their Z in s.X
+    with the signs of ``smi_sign``.  Returns mx, relative to s.shift (-inf if nothing is finite)."""
+    cdef int d = s.d, i, j
+    cdef long st = s.st
+    cdef double mx
+    if s.polar:
+        smi_polar_points(d, np, st, s.xi, s.X, s.IN1, s.LB)
+        if d == 4:
+            s.f1(s.IN1, st, s.par, s.OUT1, st, np)
+            smi_polar_layer2(np, st, s.OUT1, s.X, s.LB)
+        for j in range(np):
+            s.LB[j] -= s.shift
+    else:
+        for j in range(np):
+            for i in range(d):
+                s.xj[i] = s.xi[i * st + j]
+            s.LB[j] = _place(s, m, s.xj) - s.shift
+            for i in range(d):
+                s.X[i * st + j] = s.x[i]
+    s.f(s.buf if s.route == 0 else s.X, st, s.par, s.KO, st, np)
+    if s.route == 0:
+        smi_last_layer(s.T, d, np, st, s.KO, s.X, s.OK)
+    else:
+        for j in range(np):
+            s.OK[j] = 1.0
+    mx = smi_term_logs(s.route, s.nt, s.R, s.T, d, np, st, s.X, s.KO, s.OK, s.omega, s.Vinv, s.const0,
+                       s.n_node, s.data, s.delta, s.LB, s.LF)
+    smi_weights(s.nt, np, st, mx if mx > -INFINITY else 0.0, NULL, s.LF, s.WC)
+    return mx
 
 
 cdef double _region(Site* s, int m, const double* c, const double* h, double* S, double* scratch,
                     const double* whiten, int* axis) noexcept nogil:
-    """Genz–Malik degree-7 rule on the box c ± h (component m): moment sums into S (1 + RT + RT²),
-    returns the error and the axis to split.  Error: Σ of the absolute entries of the 7-rule -
-    5-rule difference in mass, W·S1 and W·S2·Wᵀ (the upper triangle), W = ``whiten`` (RT × RT,
-    L⁻¹ ⊗ I_T for V = LLᵀ: then an error ε·mass moves g_out by ≤ ε/√λ_min(V) and dg_out =
-    V⁻¹(Cov - V)V⁻¹ by ≤ ε/λ_min(V)).  ``scratch``: n + d + 2 RT² values."""
-    cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, i, j, a, b, k, corner
-    cdef double vol = 1.0, fd, fdmax = -1.0, f0, fp2, fm2, fp3, fm3, err, t
+    """Genz–Malik degree-7 rule on the box c ± h (component m): moment sums into S (1 + RT + RT²;
+    the second moments' upper triangle), relative to e^s.shift, returns the error and the axis
+    to split.  Error: Σ of the absolute entries of the 7-rule - 5-rule difference in mass, W·S1
+    and W·S2·Wᵀ (the upper triangle), W = ``whiten`` (RT × RT, L⁻¹ ⊗ I_T for V = LLᵀ: then an
+    error ε·mass moves g_out by ≤ ε/√λ_min(V) and dg_out = V⁻¹(Cov - V)V⁻¹ by ≤ ε/λ_min(V)).
+    Terms below e^-300 of the shift are left out (so are subnormal weights).  ``scratch``:
+    n + d + 2 RT² values."""
+    cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, n_sums = 1 + RT + RT * (RT + 1) // 2
+    cdef int i, j, a, b, k, r, np
+    cdef long st = s.st
+    cdef double fd, fdmax = -1.0, f0, err, t, mx, scale
     cdef double* D
     cdef double* WD
-    cdef double w1 = (12824.0 - 9120.0 * d + 400.0 * d * d) / 19683.0, w2 = 980.0 / 6561.0
-    cdef double w3 = (1820.0 - 400.0 * d) / 19683.0, w4 = 200.0 / 19683.0
-    cdef double w5 = 6859.0 / 19683.0 / (1 << d)
-    cdef double v1 = (729.0 - 950.0 * d + 50.0 * d * d) / 729.0, v2 = 245.0 / 486.0
-    cdef double v3 = (265.0 - 100.0 * d) / 1458.0, v4 = 25.0 / 729.0
     cdef double* Sb = scratch
-    cdef double* xi = scratch + n
-    for i in range(d):
-        vol *= 2.0 * h[i]
+    cdef double* f = s.mass
+    np = _gm_points(d, c, h, s.xi, st, s.w7, s.w5)
+    mx = _values(s, m, np)
+    scale = exp(mx) if mx > -300.0 else 0.0
+    smi_rule_weights(s.nt, np, s.WC, s.w7, s.w5, s.W, s.mass)
+    smi_expand(s.nt, RT, s.T, d, np, st, s.X, s.ref, s.ZC)
+    smi_sums(s.nt * np, RT, 2, s.W, s.ZC, s.packed)
     for i in range(n):
         S[i] = 0.0
         Sb[i] = 0.0
-    for i in range(d):
-        xi[i] = c[i]
-    f0 = _point(s, m, xi, vol * w1, S, S + 1, S + 1 + RT, vol * v1, Sb, Sb + 1, Sb + 1 + RT)
+    S[0], Sb[0] = scale * s.packed[0], scale * s.packed[n_sums]
+    r = 1 + RT
+    for i in range(RT):
+        S[1 + i], Sb[1 + i] = scale * s.packed[1 + i], scale * s.packed[n_sums + 1 + i]
+        for j in range(i, RT):
+            S[1 + RT + i * RT + j], Sb[1 + RT + i * RT + j] = scale * s.packed[r], scale * s.packed[n_sums + r]
+            r += 1
+    f0 = f[0]
     axis[0] = 0
-    for i in range(d):
-        xi[i] = c[i] + GM_L2 * h[i]
-        fp2 = _point(s, m, xi, vol * w2, S, S + 1, S + 1 + RT, vol * v2, Sb, Sb + 1, Sb + 1 + RT)
-        xi[i] = c[i] - GM_L2 * h[i]
-        fm2 = _point(s, m, xi, vol * w2, S, S + 1, S + 1 + RT, vol * v2, Sb, Sb + 1, Sb + 1 + RT)
-        xi[i] = c[i] + GM_L3 * h[i]
-        fp3 = _point(s, m, xi, vol * w3, S, S + 1, S + 1 + RT, vol * v3, Sb, Sb + 1, Sb + 1 + RT)
-        xi[i] = c[i] - GM_L3 * h[i]
-        fm3 = _point(s, m, xi, vol * w3, S, S + 1, S + 1 + RT, vol * v3, Sb, Sb + 1, Sb + 1 + RT)
-        xi[i] = c[i]
-        fd = fabs(fp2 + fm2 - 2 * f0 - (GM_L2 * GM_L2 / (GM_L3 * GM_L3)) * (fp3 + fm3 - 2 * f0))
+    for i in range(d):                          # the fourth differences along each axis
+        fd = fabs(f[1 + 4 * i] + f[2 + 4 * i] - 2 * f0
+                  - (GM_L2 * GM_L2 / (GM_L3 * GM_L3)) * (f[3 + 4 * i] + f[4 + 4 * i] - 2 * f0))
         if fd > fdmax * (1 + 1e-12):
             fdmax, axis[0] = fd, i
-    for i in range(d):
-        for j in range(i + 1, d):
-            for k in range(4):
-                xi[i] = c[i] + (GM_L3 if k & 1 else -GM_L3) * h[i]
-                xi[j] = c[j] + (GM_L3 if k & 2 else -GM_L3) * h[j]
-                _point(s, m, xi, vol * w4, S, S + 1, S + 1 + RT, vol * v4, Sb, Sb + 1, Sb + 1 + RT)
-            xi[i], xi[j] = c[i], c[j]
-    for corner in range(1 << d):
-        for i in range(d):
-            xi[i] = c[i] + (GM_L5 if (corner >> i) & 1 else -GM_L5) * h[i]
-        _point(s, m, xi, vol * w5, S, S + 1, S + 1 + RT, 0.0, Sb, Sb + 1, Sb + 1 + RT)
-    D = xi + d                                  # the second moments' difference, then W·D
+    D = scratch + n + d                         # the second moments' difference, then W·D
     WD = D + RT * RT
     for a in range(RT):
         for b in range(a, RT):
@@ -1741,7 +1916,7 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                      or lam.shape[0] != omega.shape[0] or ridge[2] < _ipow(split[centers.shape[1] - 1], d)):
         raise ValueError("integrate_adaptive on the ridge needs route 1, d ≤ 4, ridge = [reach, width, cap ≥ "
                          "split[-1]^d, floor] and lam (n,)")
-    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
+    cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
     cdef kernel_t jac = <kernel_t> PyCapsule_GetPointer(jacobian, "smi_kernel") if on_ridge else NULL
     cdef Py_ssize_t n = omega.shape[0], i
     if threads <= 0:
@@ -1757,7 +1932,7 @@ def integrate_adaptive(int route, capsule, const double[::1] params, const doubl
                              jac, &ridge[0] if on_ridge else NULL, lam[i] if on_ridge else 0.0)
 
 
-cdef void _adaptive_sample(int route, kernel_t f, const double* par, const double* data, int n_data,
+cdef void _adaptive_sample(int route, cols_t f, const double* par, const double* data, int n_data,
                            const double* omega, const double* Vinv, double const0,
                            const double* centers, const double* A, const double* H,
                            const double* logh, int M, int d, const double* ref, const double* whiten,
@@ -1878,8 +2053,8 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
     ``integrate`` (Z at the highest peak: moments about a far ω would lose the covariance along a
     near-singular V's thin direction to cancellation).  With ``V`` (n, R, R) and ``amp`` (n,):
     tol bounds the metric of (g_out, dg_out) instead (``_adaptive_regions``)."""
-    cdef kernel_t f = <kernel_t> PyCapsule_GetPointer(capsule, "smi_kernel")
-    cdef kernel_t f1 = NULL
+    cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
+    cdef cols_t f1 = NULL
     cdef bint metric = V is not None
     cdef Py_ssize_t n = omega.shape[0], i
     cdef int d = boxes.shape[1] // 2, R = Vinv.shape[1]
@@ -1889,7 +2064,7 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
         raise ValueError("integrate_polar_adaptive needs T = 2 and L = 2 (boxes of 4 values) or "
                          "L = 3 (boxes of 8 values and capsule1)")
     if d == 4:
-        f1 = <kernel_t> PyCapsule_GetPointer(capsule1, "smi_kernel")
+        f1 = <cols_t> PyCapsule_GetPointer(capsule1, "smi_kernel_cols")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _polar_adaptive_sample(f, f1, &params[0], &u[i, 0], &omega[i, 0], &ref[i, 0], &Vinv[i, 0, 0], const0[i],
@@ -1899,7 +2074,7 @@ def integrate_polar_adaptive(capsule, const double[::1] params, const double[:, 
                                    &V[i, 0, 0] if metric else NULL, amp[i] if metric else 0.0)
 
 
-cdef void _polar_adaptive_sample(kernel_t f, kernel_t f1, const double* par, const double* u, const double* omega,
+cdef void _polar_adaptive_sample(cols_t f, cols_t f1, const double* par, const double* u, const double* omega,
                                  const double* ref, const double* Vinv, double const0, double shift,
                                  const double* boxes, Py_ssize_t nb, int d, int R, const double* whiten,
                                  double tol, int max_regions, double* log_z, double* mean, double* second,
@@ -1912,7 +2087,7 @@ cdef void _polar_adaptive_sample(kernel_t f, kernel_t f1, const double* par, con
     cdef int* piece = <int*> malloc(nb * sizeof(int))
     cdef double* work = _site_init(&s, 0, f, par, u, 2, omega, Vinv, const0, NULL, NULL, NULL,
                                    &logh, 1, d, ref, R, 2, 3, 0.0)
-    s.polar, s.shift, s.f1 = 1, shift, f1
+    s.polar, s.shift, s.f1, s.nt = 1, shift, f1, 2 << (d // 2)
     for k in range(nb):
         for i in range(d):
             ch[d * k + i] = boxes[2 * d * k + i]

@@ -278,7 +278,7 @@ class Channel:
             lam = np.ascontiguousarray(np.linalg.eigvalsh(np.swapaxes(A[:, -1], 1, 2) @ P @ A[:, -1])[:, 0])
             logh = np.where(np.arange(M) == M - 1, logh, -np.inf)
             on_ridge = dict(jacobian=self._jac_kernel.capsule(), lam=lam, ridge=ridge)
-        _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule(), self.model.params,
+        _quadrature.integrate_adaptive(self._route_id, self._node_kernel.capsule("columns"), self.model.params,
                                        np.ascontiguousarray(data), omega.reshape(n, RT), Vinv, const0,
                                        np.ascontiguousarray(centers), np.ascontiguousarray(A),
                                        np.ascontiguousarray(hess), np.ascontiguousarray(logh),
@@ -818,7 +818,7 @@ class ReparamChannel(PolarRule, Channel):
         n, RT = len(omega), V.shape[1] * self.T
         log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
-        _quadrature.integrate_polar_adaptive(self._node_kernel.capsule(), self.model.params, u,
+        _quadrature.integrate_polar_adaptive(self._node_kernel.capsule("columns"), self.model.params, u,
                                              np.ascontiguousarray(omega.reshape(n, RT)), np.ascontiguousarray(ref),
                                              Vinv, const0, np.ascontiguousarray(shift, dtype=float), boxes, start,
                                              _whitening(V, self.T), np.broadcast_to(np.asarray(tol, float), n).copy(),
@@ -859,7 +859,7 @@ class ReparamChannel(PolarRule, Channel):
             start.append(start[-1] + len(rows[-1]))
         return self._polar_adaptive(u, omega, V, Vinv, -(3 * np.log(2 * np.pi) + logdetV), ref, shift,
                                     np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64),
-                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule())
+                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule("columns"))
 
     def representable(self, y) -> np.ndarray:
         """(n,) mask: softmax outputs whose pre-image ±u_L float64 determines (not an entry
