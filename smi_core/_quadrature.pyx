@@ -386,9 +386,16 @@ cdef extern from *:
         return ((i >= d ? s : s >> (1 + i / T)) & 1) ? -1.0 : 1.0;
     }
 
-    /* Route 0: the kernel's outputs KO = [h_L (T rows), log|det Phi|] into X's rows d .. d + T - 1,
-       and OK = 1 where they are all finite (else 0, and h_L = 0 there). */
-    static void smi_last_layer(int T, int d, long K, long st, const double* KO, double* X, double* OK) {
+    /* After the kernel: route 0, its outputs KO = [h_L (T rows), log|det Phi|] into X's rows
+       d .. d + T - 1, and OK = 1 where they are all finite (else 0, and h_L = 0 there); route 1
+       (Z = x), OK = 1. */
+    static void smi_last_layer(int route, int T, int d, long K, long st, const double* KO, double* X,
+                               double* OK) {
+        if (route != 0) {
+            for (long k = 0; k < K; k++)
+                OK[k] = 1.0;
+            return;
+        }
         for (long k = 0; k < K; k++)
             OK[k] = SMI_FINITE(KO[T * st + k]) ? 1.0 : 0.0;
         for (int t = 0; t < T; t++)
@@ -694,11 +701,7 @@ cdef extern from *:
             }
         }
         f(route == 0 ? buf : X, SMI_TILE, par, KO, SMI_TILE, K);     /* the kernel, by columns */
-        if (route == 0)
-            smi_last_layer(T, d, K, SMI_TILE, KO, X, OK);
-        else
-            for (long k = 0; k < K; k++)
-                OK[k] = 1.0;
+        smi_last_layer(route, T, d, K, SMI_TILE, KO, X, OK);
         double mx = smi_term_logs(route, nt, R, T, d, K, SMI_TILE, X, KO, OK, omega, P, const0, n_out,
                                   data, delta, LB, LF);
         if (mx < floor || mx == -INFINITY)              /* the tile is negligible */
@@ -721,7 +724,8 @@ cdef extern from *:
     double smi_sphere2(const double* u, const double* om, const double* P, double const0,
                        const double* nodes, long stride, long K, double floor, double* buf,
                        double* out) noexcept nogil
-    void smi_last_layer(int T, int d, long K, long st, const double* KO, double* X, double* OK) noexcept nogil
+    void smi_last_layer(int route, int T, int d, long K, long st, const double* KO, double* X,
+                        double* OK) noexcept nogil
     double smi_term_logs(int route, int nt, int R, int T, int d, long K, long st, const double* X,
                          const double* KO, const double* OK, const double* omega, const double* P,
                          double const0, int n_out, const double* data, double delta, const double* LB,
@@ -1628,11 +1632,7 @@ cdef double _values(Site* s, int m, int np) noexcept nogil:
             for i in range(d):
                 s.X[i * st + j] = s.x[i]
     s.f(s.buf if s.route == 0 else s.X, st, s.par, s.KO, st, np)
-    if s.route == 0:
-        smi_last_layer(s.T, d, np, st, s.KO, s.X, s.OK)
-    else:
-        for j in range(np):
-            s.OK[j] = 1.0
+    smi_last_layer(s.route, s.T, d, np, st, s.KO, s.X, s.OK)
     mx = smi_term_logs(s.route, s.nt, s.R, s.T, d, np, st, s.X, s.KO, s.OK, s.omega, s.Vinv, s.const0,
                        s.n_node, s.data, s.delta, s.LB, s.LF)
     smi_weights(s.nt, np, st, mx if mx > -INFINITY else 0.0, NULL, s.LF, s.WC)
@@ -1646,8 +1646,8 @@ cdef double _region(Site* s, int m, const double* c, const double* h, double* S,
     to split.  Error: Σ of the absolute entries of the 7-rule - 5-rule difference in mass, W·S1
     and W·S2·Wᵀ (the upper triangle), W = ``whiten`` (RT × RT, L⁻¹ ⊗ I_T for V = LLᵀ: then an
     error ε·mass moves g_out by ≤ ε/√λ_min(V) and dg_out = V⁻¹(Cov - V)V⁻¹ by ≤ ε/λ_min(V)).
-    Terms below e^-300 of the shift are left out (so are subnormal weights).  ``scratch``:
-    n + d + 2 RT² values."""
+    A box whose largest term is below e^-300 of the shift adds nothing (its terms are weighed
+    relative to that largest term, ``smi_weights``).  ``scratch``: n + 2 RT² values."""
     cdef int d = s.d, RT = s.R * s.T, n = 1 + RT + RT * RT, n_sums = 1 + RT + RT * (RT + 1) // 2
     cdef int i, j, a, b, k, r, np
     cdef long st = s.st
@@ -1679,7 +1679,7 @@ cdef double _region(Site* s, int m, const double* c, const double* h, double* S,
                   - (GM_L2 * GM_L2 / (GM_L3 * GM_L3)) * (f[3 + 4 * i] + f[4 + 4 * i] - 2 * f0))
         if fd > fdmax * (1 + 1e-12):
             fdmax, axis[0] = fd, i
-    D = scratch + n + d                         # the second moments' difference, then W·D
+    D = scratch + n                             # the second moments' difference, then W·D
     WD = D + RT * RT
     for a in range(RT):
         for b in range(a, RT):
@@ -1832,7 +1832,7 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
     cdef int* raxis = rm + max_regions
     cdef int* heap = raxis + max_regions
     cdef int size = 0
-    cdef double* scratch = <double*> malloc((n + d + 2 * RT * RT) * sizeof(double))
+    cdef double* scratch = <double*> malloc((n + 2 * RT * RT) * sizeof(double))
     cdef double err_total = 0.0, kappa = 1.0
     cdef double* tot = <double*> malloc((n + 2 * RT * RT) * sizeof(double))      # running sums (tot[0]: mass), work
     for i in range(n):
@@ -1850,7 +1850,7 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
     for k in range(count):
         _heap_push(heap, &size, rerr, k)
     if V != NULL:
-        kappa = _kappa(s, V, amp, tot, scratch + n + d)
+        kappa = _kappa(s, V, amp, tot, scratch + n)
     while err_total * kappa > tol * fabs(tot[0]) and count < max_regions:
         best = _heap_pop(heap, &size, rerr)
         ax = raxis[best]
@@ -1868,7 +1868,7 @@ cdef void _adaptive_regions(Site* s, const double* whiten, const double* c0, con
                 tot[i] += rS[k * n + i]
             _heap_push(heap, &size, rerr, k)
         if V != NULL:
-            kappa = _kappa(s, V, amp, tot, scratch + n + d)
+            kappa = _kappa(s, V, amp, tot, scratch + n)
     for i in range(n):
         scratch[i] = 0.0
     for k in range(count):
