@@ -1179,6 +1179,39 @@ def integrate_product(const double[:, ::1] rows, const long[::1] row_ptr, const 
                             u_ptr[i], u_ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
+def integrate_points(const double[:, ::1] Z, const double[::1] log_w, const long[::1] ptr,
+                     const double[:, ::1] omega, double[::1] log_z, double[:, ::1] mean,
+                     double[:, :, ::1] second, int threads=0):
+    """Moments of weighted points: sample i sums its points k (ptr[i] ≤ k < ptr[i+1], rows of
+    ``Z``) with weights e^{log_w[k]} (a running maximum: nothing overflows).  Returns log Σ w,
+    E[Z - ω] and E[(Z - ω)(Z - ω)ᵀ] (ω the sample's row of ``omega``), as ``integrate_polar``."""
+    cdef Py_ssize_t n = omega.shape[0], i
+    cdef int RT = omega.shape[1]
+    if threads <= 0:
+        threads = omp_get_max_threads()
+    if not (Z.shape[1] == RT and log_w.shape[0] == Z.shape[0] and ptr.shape[0] == n + 1
+            and ptr[n] <= Z.shape[0] and log_z.shape[0] == n):
+        raise ValueError("integrate_points needs Z with omega's columns, one log weight per point "
+                         "and ptr of n + 1 offsets")
+    with nogil:
+        for i in prange(n, num_threads=threads, schedule="dynamic"):
+            _points_sample(&Z[0, 0], &log_w[0], ptr[i], ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0],
+                           &second[i, 0, 0])
+
+
+cdef void _points_sample(const double* Z, const double* log_w, Py_ssize_t k0, Py_ssize_t k1,
+                         const double* omega, int RT, double* log_z, double* mean, double* second) noexcept nogil:
+    """One sample of ``integrate_points``: points k0:k1, those below e^-SMI_SKIP of the running
+    maximum left out."""
+    cdef Acc acc
+    cdef Py_ssize_t k
+    _acc_init(&acc, RT)
+    for k in range(k0, k1):
+        if log_w[k] > acc.mx - SMI_SKIP:
+            _add(&acc, log_w[k], Z + k * RT, omega)
+    _acc_finish(&acc, log_z, mean, second)
+
+
 def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] seg_b1,
                const long[::1] seg_ring, const long[:, :, ::1] window, const long[::1] start,
                unsigned char[::1] used, long[::1] who, long[::1] lo, long[::1] hi):

@@ -361,15 +361,17 @@ def _channel(model, noise, options):
     """The channel SE calls: a one-index link's closed form when SymPy has one, else the
     model's default route (reparametrisation, or the noisy route when noise is given), with
     its default nodes.  The per-sample error estimate is computed only where it changes the
-    moments (``channel.escalates``: two-layer attention, noiseless or with Δ below the noisy
-    route's POLAR_MIN_NOISE, whose pinned samples it sends to finer rules — without it, at
-    q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more than 1e-4 and q̂₂₂ by
-    0.4 %; links with R·T ≤ 4, ``channel.ridges``, whose curved posteriors it sends to the
-    ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at Δ = 0.01 has q̂₁₁ 0.0126
-    where 0.0035 after two iterations from the uninformed start), where it flags samples the
-    rule does not resolve (``channel.unresolved``, R·T > 4: ``_Problem._flag`` warns), or when
-    the options ask for it (``tol``, ``error_estimate``); SE escalates from ESCALATE, not from
-    the channel's default.  A channel already built is used as it is."""
+    moments at a cost SE affords (``channel.se_escalates``: two-layer attention, noiseless or
+    with Δ below the noisy route's POLAR_MIN_NOISE, whose pinned samples it sends to finer
+    rules — without it, at q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more
+    than 1e-4 and q̂₂₂ by 0.4 %; links with R·T ≤ 4, ``channel.ridges``, whose curved
+    posteriors it sends to the ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at
+    Δ = 0.01 has q̂₁₁ 0.0126 where 0.0035 after two iterations from the uninformed start), where
+    it flags samples the rule does not resolve (``channel.unresolved``, R·T > 4:
+    ``_Problem._flag`` warns), or when the options ask for it (``tol``, ``error_estimate``; the
+    noisy route's conditional rule for a pinned last layer at Δ ≥ 1e-3 runs only then,
+    ``NoisyChannel.se_escalates``); SE escalates from ESCALATE, not from the channel's default.
+    A channel already built is used as it is."""
     if hasattr(options, "moments"):
         return options
     options = dict(options or {})
@@ -379,8 +381,8 @@ def _channel(model, noise, options):
         except ValueError:
             pass
     channel = model.channel(noise=noise, **options)
-    if "tol" not in options and "error_estimate" not in options and not (channel.escalates or channel.unresolved):
-        channel.error_estimate = False      # it would only report (SE does not use it)
+    if not ({"tol", "error_estimate"} & options.keys() or channel.se_escalates or channel.unresolved):
+        channel.error_estimate = False      # it would only report, or escalate beyond what SE affords
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE
     return channel

@@ -406,14 +406,19 @@ def test_se_channel_resolves_the_pinned_regime(q, polar_off):
 
 @pytest.mark.parametrize("noise, escalates", [(None, True), (1e-5, True), (1e-2, False)])
 def test_se_channel_keeps_the_estimate_where_it_escalates(noise, escalates):
-    """SE's channel computes the per-sample estimate only where it changes the moments: two
-    layers noiseless, and noisy below the noisy route's POLAR_MIN_NOISE (finer rings of h_1 for
-    pinned samples); there it escalates from SE's ESCALATE, not from the channel's default."""
+    """SE's channel computes the per-sample estimate only where it changes the moments at a cost
+    SE affords: two layers noiseless, and noisy below the noisy route's POLAR_MIN_NOISE (finer
+    rings of h_1 for pinned samples); there it escalates from SE's ESCALATE, not from the
+    channel's default.  At Δ = 1e-2 the channel escalates to the conditional rule, but SE leaves
+    the estimate off unless asked (``error_estimate``), and then escalates from ESCALATE."""
     from smi_core.state_evolution import ESCALATE, _channel
     channel = _channel(DeepAttention(layers=2, tokens=2), noise, None)
-    assert channel.escalates == escalates and channel.error_estimate == escalates
-    if escalates:
-        assert channel.escalate == ESCALATE
+    assert channel.se_escalates == escalates and channel.error_estimate == escalates
+    assert channel.escalates
+    assert channel.escalate == ESCALATE
+    if not escalates:
+        asked = _channel(DeepAttention(layers=2, tokens=2), noise, {"error_estimate": True})
+        assert asked.error_estimate and asked.escalate == ESCALATE
 
 
 def test_se_channel_keeps_the_estimate_for_two_index_links():
