@@ -1040,7 +1040,7 @@ class NoisyChannel(PolarRule, Channel):
         q = diag(0.3, 0.99), Δ = 1e-12: up to 0.35 off where the escalation leaves 1e-6).  Any
         other link with R·T ≤ 4 (``ridges``): samples whose estimate is above ``escalate`` go to
         the adaptive rule.  Two layers at Δ ≥ POLAR_MIN_NOISE[2]: samples above it whose h_2 is
-        narrow given h_1 go to the conditional rule (``_conditional_escalation``)."""
+        narrow given h_1 go to the conditional rule (``_laplace``)."""
         return (self._preimage and self.model.layers == 2) or self._conditional_applies or self.ridges
 
     @property
@@ -1273,17 +1273,12 @@ class NoisyChannel(PolarRule, Channel):
         """Two-layer T = 2 attention at Δ ≥ POLAR_MIN_NOISE[2] (below it, the preimage rule)."""
         return self._polar_applies and not self._preimage and self.model.layers == 2
 
-    def _polar(self, y, omega, V, Vinv, logdetV):
-        return self._conditional_escalation(super()._polar(y, omega, V, Vinv, logdetV), y, omega, V, Vinv)
-
     def _laplace(self, y, omega, V, Vinv, logdetV):
-        return self._conditional_escalation(super()._laplace(y, omega, V, Vinv, logdetV), y, omega, V, Vinv)
-
-    def _conditional_escalation(self, out, y, omega, V, Vinv):
-        """Two layers with Δ ≥ POLAR_MIN_NOISE[2] and the estimate: the samples of ``out`` (log_z,
-        E[Z], Cov[Z], error; the rings' or, where h_2 is narrower than POLAR_MIN_SD, the
-        Laplace rule's) above ``escalate`` (``tol`` when given) whose h_2 is narrow given h_1
-        (s ≤ CONDITIONAL["sd"]) get the conditional rule, kept where its estimate is lower."""
+        """The Laplace rule (``Channel._laplace``); two layers with Δ ≥ POLAR_MIN_NOISE[2] and
+        the estimate: its samples above ``escalate`` (``tol`` when given) whose h_2 is narrow
+        given h_1 (s ≤ CONDITIONAL["sd"]; the rings take the samples with s ≥ POLAR_MIN_SD) get
+        the conditional rule, kept where its estimate is lower."""
+        out = super()._laplace(y, omega, V, Vinv, logdetV)
         target = self._target(self._conditional_applies)
         if not self._conditional_applies or target is None:
             return out
