@@ -1016,7 +1016,7 @@ class NoisyChannel(PolarRule, Channel):
         return rings + [self._polar_rings(group, s * mu[:, L - 1], s * s * V[:, L - 1, L - 1], scale, 1.0,
                                           sharp=sharp, origin=L > 1)]
 
-    _polar_data_rows = 9
+    _polar_data_rows = 2 * 2 + 1 + 4      # [Φ⁻¹ (2 × 2), log|det Φ|] and g = σ_β(u_L u_Lᵀ) (2 × 2)
 
     def _polar_fill(self, nodes, m):
         """Rows [Φ⁻¹, log|det Φ|] of Φ⁽ᴸ⁻¹⁾(h_{<L}) (identity for L = 1) and g = σ_β(u_L u_Lᵀ) of
