@@ -1417,7 +1417,7 @@ class ClosedChannel:
     links with two pre-images ±r(y) (phase retrieval z², |z|).  No quadrature, ``error`` = 0."""
 
     route = "closed"
-    escalates = error_estimate = ridges = unresolved = False      # exact: no estimate to compute
+    escalates = se_escalates = error_estimate = ridges = unresolved = False     # exact: no estimate to compute
 
     def __init__(self, model, noise: float | None = None, threads: int | None = None):
         from derive.closed import closed_form_program, support, token_wise
