@@ -49,7 +49,7 @@ import numpy as np
 
 from . import _quadrature, chart, validate
 from .kernels import first_bad_row
-from .polar import PolarRule, _merge
+from .polar import PolarRule, _growing, _merge, refine
 from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
@@ -437,6 +437,14 @@ def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
     return np.concatenate(base)
 
 
+def _keep_lower(out, redo, better):
+    """Where another rule's estimate is lower, its result (log Z, E[Z], Cov[Z], error) of the
+    samples redo replaces theirs in ``out``, in place."""
+    keep = better[3] < out[3][redo]
+    for a, b in zip(out, better):
+        a[redo[keep]] = b[keep]
+
+
 def _blend(w, laplace, polar):
     """The moments (log Z, E[Z], Cov[Z], error) of the mixture w·(polar posterior) +
     (1 − w)·(Laplace posterior), per sample: log Z and the error averaged with weights w, 1 − w,
@@ -662,9 +670,7 @@ class ReparamChannel(PolarRule, Channel):
             if self.T == 3:     # the Laplace rule's estimate can miss mass: no lower than the rules' difference
                 differ = self._differ(omega[redo], V[redo], Vinv[redo], (log_z[redo], mean[redo], cov[redo]), better)
                 better = (*better[:3], np.maximum(better[3], differ))
-            keep = better[3] < error[redo]
-            for a, b in zip((log_z, mean, cov, error), better):
-                a[redo[keep]] = b[keep]
+            _keep_lower((log_z, mean, cov, error), redo, better)
         return log_z, mean, cov, error
 
     def _laplace(self, y, omega, V, Vinv, logdetV):
@@ -1285,10 +1291,7 @@ class NoisyChannel(PolarRule, Channel):
         s2 = V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
         redo = np.flatnonzero(~(out[3] <= target) & (s2 <= self.CONDITIONAL["sd"] ** 2))
         if redo.size:
-            better = self._conditional(y[redo], omega[redo], V[redo], Vinv[redo], target)
-            keep = better[3] < out[3][redo]
-            for a, b in zip(out, better):
-                a[redo[keep]] = b[keep]
+            _keep_lower(out, redo, self._conditional(y[redo], omega[redo], V[redo], Vinv[redo], target))
         return out
 
     def _conditional(self, y, omega, V, Vinv, target):
@@ -1298,20 +1301,14 @@ class NoisyChannel(PolarRule, Channel):
         coarse one), up to CONDITIONAL["rounds"] times.  Returns (log_z, E[Z], Cov[Z], error)."""
         c, ref = self.CONDITIONAL, omega.reshape(len(omega), -1)
         f = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
-        nodes = max(3, round(c["nodes"] * f))
-        level = [(c["scale"] * f / 1.5, nodes - 2), (c["scale"] * f, nodes)]
-        coarse, fine = (self._conditional_run(y, omega, V, *lv) for lv in level)
+        scale, nodes = c["scale"] * f, max(3, round(c["nodes"] * f))
+        coarse, fine = (self._conditional_run(y, omega, V, *lv) for lv in ((scale / 1.5, nodes - 2),
+                                                                            (scale, nodes)))
         error = self._spread([fine, coarse], omega, V, Vinv, ref)
-        for _ in range(c["rounds"]):
-            redo = np.flatnonzero(error > target)
-            if not redo.size:
-                break
-            level.append((level[-1][0] * 1.5, level[-1][1] + 2))
-            finer = self._conditional_run(y[redo], omega[redo], V[redo], *level[-1])
-            error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo], Vinv[redo],
-                                       ref[redo])
-            for a, b in zip(fine, finer):
-                a[redo] = b
+        scales = _growing(scale, 1.5, c["rounds"])
+        refine(fine, error, target, c["rounds"], lambda i, k: self._conditional_run(
+            y[i], omega[i], V[i], scales[k], nodes + 2 * (k + 1)),
+            lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]))
         log_z, mean, second = fine
         return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], error
 

@@ -304,23 +304,43 @@ class PolarRule:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         target, rounds = self._polar_escalation(Vinv)
-        going = np.ones(n, dtype=bool)
-        for _ in range(rounds if target is not None else 0):
-            redo = np.flatnonzero(~(error <= target) & going)
-            if not redo.size:
-                break
-            scale *= 1.5
-            finer = self._polar_run(u[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo], scale)
-            before = error[redo]
-            error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
-                                       Vinv[redo], ref[redo])
-            if self._polar_stall is not None:       # not converging: left to the caller's adaptive rule
-                going[redo] = ~(error[redo] > self._polar_stall * before)
-            for a, b in zip(fine, finer):
-                a[redo] = b
+        if target is not None:      # _polar_stall: samples not converging are left to the caller
+            scales = _growing(scale, 1.5, rounds)
+            refine(fine, error, target, rounds, lambda i, k: self._polar_run(
+                u[i], omega[i], V[i], Vinv[i], logdetV[i], scales[k]),
+                lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]), self._polar_stall)
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
         return log_z, mean, cov, error
+
+
+def refine(fine, error, target, rounds, finer, spread, stall=None):
+    """Up to ``rounds`` rounds of finer rules, in place: the samples i whose ``error`` is not
+    below ``target`` (a number or one per sample) get round k's rule ``finer(i, k)`` (their
+    (log Z, E[Z − ω], E[(Z − ω)(Z − ω)ᵀ])), which replaces theirs in ``fine``, and the error
+    ``spread(i, [finer, previous])``.  With ``stall``, a sample whose error fell by less than
+    that factor in a round takes no more rounds."""
+    going = np.ones(len(error), dtype=bool)
+    for k in range(rounds):
+        redo = np.flatnonzero(~(error <= target) & going)
+        if not redo.size:
+            break
+        finer_k = finer(redo, k)
+        before = error[redo]
+        error[redo] = spread(redo, [finer_k, tuple(a[redo] for a in fine)])
+        if stall is not None:
+            going[redo] = ~(error[redo] > stall * before)
+        for a, b in zip(fine, finer_k):
+            a[redo] = b
+
+
+def _growing(x, factor, rounds):
+    """x·factor, (x·factor)·factor, … (``rounds`` values, each from the previous one)."""
+    out = []
+    for _ in range(rounds):
+        x *= factor
+        out.append(x)
+    return out
 
 
 def _rank(sizes):
