@@ -1734,13 +1734,10 @@ cdef class Kernel:
                  int threads=0):
         cdef Py_ssize_t b, n = x.shape[0]
         cdef rows_t rows = self.rows
-        cdef const double* p = &params[0]
         if x.shape[1] != self.n_in or out.shape[1] != self.n_out or out.shape[0] != n:
             raise ValueError(f"{self.name}: x must be (n, {self.n_in}) and out (n, {self.n_out})")
-        if params.shape[0] < self.n_par:
-            raise ValueError(f"{self.name}: needs {self.n_par} parameters")
-        if threads <= 0:
-            threads = omp_get_max_threads()
+        threads = self._threads(params, threads)
+        cdef const double* p = &params[0]
         with nogil:
             for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
                 rows(&x[b * SMI_ROWS, 0], p, &out[b * SMI_ROWS, 0], min(SMI_ROWS, n - b * SMI_ROWS))
@@ -1750,22 +1747,26 @@ cdef class Kernel:
         with contiguous rows at any row stride (e.g. row blocks of one array)."""
         cdef Py_ssize_t b, n = x.shape[1]
         cdef cols_t cols = self.cols
-        cdef const double* p = &params[0]
         if x.shape[0] != self.n_in or out.shape[0] != self.n_out or out.shape[1] != n:
             raise ValueError(f"{self.name}: x must be ({self.n_in}, n) and out ({self.n_out}, n)")
-        if params.shape[0] < self.n_par:
-            raise ValueError(f"{self.name}: needs {self.n_par} parameters")
+        threads = self._threads(params, threads)
+        cdef const double* p = &params[0]
         if n == 0:
             return
         if (n > 1 and (x.strides[1] != sizeof(double) or out.strides[1] != sizeof(double))) or \
                 x.strides[0] % sizeof(double) or out.strides[0] % sizeof(double):
             raise ValueError(f"{self.name}: the rows of x and out must be contiguous")
         cdef long si = x.strides[0] // sizeof(double), so = out.strides[0] // sizeof(double)
-        if threads <= 0:
-            threads = omp_get_max_threads()
         with nogil:
             for b in prange((n + SMI_ROWS - 1) // SMI_ROWS, num_threads=threads, schedule="static"):
                 cols(&x[0, b * SMI_ROWS], si, p, &out[0, b * SMI_ROWS], so, min(SMI_ROWS, n - b * SMI_ROWS))
+
+    cdef int _threads(self, const double[::1] params, int threads) except -1:
+        """Checks that ``params`` holds the kernel's parameters; the OpenMP threads to use
+        (``threads``, or all cores where it is ≤ 0)."""
+        if params.shape[0] < self.n_par:
+            raise ValueError(f"{self.name}: needs {self.n_par} parameters")
+        return threads if threads > 0 else omp_get_max_threads()
 
     def capsule(self, str layout="row"):
         """The C function pointer, for model-independent drivers (smi_core._quadrature): one

@@ -210,20 +210,16 @@ class Channel:
             error = self._spread(runs, omega, V, Vinv, ref) / np.sqrt(QMC_SCRAMBLES)
         target = self._laplace_target()
         if target is not None and d <= 4:       # first more Gauss–Hermite nodes (×1.5, ≤ 3 times)
-            for _ in range(3):
-                redo = np.flatnonzero(~(error <= target))
-                finer_nodes = int(np.ceil(1.5 * nodes))
-                if not redo.size or finer_nodes ** d > GH_BUDGET:
-                    break
-                finer = self._run(tuple(a[redo] for a in args), gauss_hermite(finer_nodes, d))
-                error[redo] = self._spread([finer, tuple(a[redo] for a in fine)], omega[redo], V[redo],
-                                           Vinv[redo], ref[redo])
-                for a, b in zip(fine, finer):
-                    a[redo] = b
-                nodes = finer_nodes
+            counts = [nodes]
+            while len(counts) <= 3 and int(np.ceil(1.5 * counts[-1])) ** d <= GH_BUDGET:
+                counts.append(int(np.ceil(1.5 * counts[-1])))
+            counts = counts[1:]
+            refine(fine, error, target, len(counts),
+                   lambda i, k: self._run(tuple(a[i] for a in args), gauss_hermite(counts[k], d)),
+                   lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]))
         adaptive = self._adaptive_target()
         if adaptive is not None:                # then adaptive cubature
-            redo = np.flatnonzero(~(error <= adaptive))
+            redo = np.flatnonzero(~(error <= adaptive) & ~self._escalated_elsewhere(V))
             if redo.size:       # kept where finite (not so on 4 of 60 pinned T = 3 samples, nor where
                                 # a box too coarse for the degree-7 rule's negative weights left a
                                 # negative mass: R·T = 3 with max_regions=1)
@@ -245,6 +241,11 @@ class Channel:
         """The estimate above which the Laplace path's samples go to adaptive cubature, and its
         tolerance (None: never)."""
         return self.tol
+
+    def _escalated_elsewhere(self, V):
+        """(n,) mask of the Laplace path's samples that another rule escalates instead of the
+        adaptive rule (none here; see NoisyChannel's conditional rule)."""
+        return np.zeros(len(V), dtype=bool)
 
     def _target(self, escalating):
         """``tol`` when given, else the channel's ``escalate`` where the rule escalates by default
@@ -1272,7 +1273,7 @@ class NoisyChannel(PolarRule, Channel):
     # 3e-3 … 1e-2 off: the likelihood is not smooth on h_2's window) and is tried on the samples
     # whose estimate is above ``escalate`` (``tol`` when given); its result is kept where its own
     # estimate (``_conditional``) is lower.
-    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=2, sd=0.2, piece=1 << 18)  # piece: points held at a time
+    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2, piece=1 << 18)  # piece: points held at a time
 
     @property
     def _conditional_applies(self):
@@ -1283,16 +1284,25 @@ class NoisyChannel(PolarRule, Channel):
         """The Laplace rule (``Channel._laplace``); two layers with Δ ≥ POLAR_MIN_NOISE[2] and
         the estimate: its samples above ``escalate`` (``tol`` when given) whose h_2 is narrow
         given h_1 (s ≤ CONDITIONAL["sd"]; the rings take the samples with s ≥ POLAR_MIN_SD) get
-        the conditional rule, kept where its estimate is lower."""
+        the conditional rule, kept where its estimate is lower (with ``tol``, instead of the
+        adaptive rule: ``_escalated_elsewhere``)."""
         out = super()._laplace(y, omega, V, Vinv, logdetV)
-        target = self._target(self._conditional_applies)
-        if not self._conditional_applies or target is None:
-            return out
-        s2 = V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
-        redo = np.flatnonzero(~(out[3] <= target) & (s2 <= self.CONDITIONAL["sd"] ** 2))
-        if redo.size:
-            _keep_lower(out, redo, self._conditional(y[redo], omega[redo], V[redo], Vinv[redo], target))
+        held = self._escalated_elsewhere(V)
+        if held.any():
+            target = self._target(True)
+            redo = np.flatnonzero(held & ~(out[3] <= target))
+            if redo.size:
+                _keep_lower(out, redo, self._conditional(y[redo], omega[redo], V[redo], Vinv[redo], target))
         return out
+
+    def _escalated_elsewhere(self, V):
+        """Where the conditional rule runs (``_laplace``), the samples whose h_2 is narrow given
+        h_1 (s ≤ CONDITIONAL["sd"]): the conditional rule, not the adaptive rule in Z, escalates
+        them (at Δ = 0.1, q = diag(0, 0.99) that rule at its 4 000-box budget was ≈ 1e-4 off, the
+        conditional rule ≈ 1e-6)."""
+        if not self._conditional_applies or self._target(True) is None:
+            return np.zeros(len(V), dtype=bool)
+        return V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0] <= self.CONDITIONAL["sd"] ** 2
 
     def _conditional(self, y, omega, V, Vinv, target):
         """The conditional rule at CONDITIONAL's ``scale`` and ``nodes`` (both × ``nodes`` /

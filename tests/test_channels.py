@@ -1446,6 +1446,7 @@ def test_noisy_l2_conditional_rule_pinned_last_layer():
     Vinv = np.linalg.inv(Vb)
     ch = model(2).channel(noise=0.1, tol=1e-8, max_regions=200000)
     assert ch.escalates
+    ch.CONDITIONAL = dict(ch.CONDITIONAL, sd=0.0)   # no sample is the conditional rule's: the adaptive rule runs
     exact = ch._assemble(omega, Vb, Vinv, *Channel._laplace(ch, y.reshape(n, 4), omega, Vb, Vinv,
                                                             np.linalg.slogdet(Vb)[1]))
     worst = {}
