@@ -606,6 +606,48 @@ cdef extern from *:
         }
     }
 
+    typedef void (*smi_kernel_cols)(const double*, long, const double*, double*, long, long);
+
+    /* The rows of a tile's buffer (SMI_TILE doubles each): the data (n_data rows, filled by the
+       caller), X (Z of the first term, RT rows), LQ (the pieces' lq, M rows), KO (kernel outputs,
+       n_out rows), LB, INV, LMX, OK, LF (nt rows), WC (nt rows), ZC (RT rows of nt SMI_TILE). */
+    typedef struct { double *X, *LQ, *KO, *LB, *INV, *LMX, *OK, *LF, *WC, *ZC; } smi_tile_rows;
+    static smi_tile_rows smi_tile_layout(double* buf, int n_data, int RT, int M, int n_out) {
+        smi_tile_rows b;
+        b.X = buf + n_data * SMI_TILE;
+        b.LQ = b.X + RT * SMI_TILE;
+        b.KO = b.LQ + M * SMI_TILE;
+        b.LB = b.KO + n_out * SMI_TILE;
+        b.INV = b.LB + SMI_TILE;
+        b.LMX = b.INV + SMI_TILE;
+        b.OK = b.LMX + SMI_TILE;
+        b.LF = b.OK + SMI_TILE;
+        b.WC = b.LF + 2 * SMI_TILE;
+        b.ZC = b.WC + 2 * SMI_TILE;
+        return b;
+    }
+
+    /* The rest of a tile, its nodes X (RT rows; route 0: d), their log bounds LB and partition
+       factors INV in ``buf`` (the layout of ``smi_laplace_tile``): the kernel, the terms' log
+       weights, the tile's maximum mx of lb + lf and, unless mx < floor, the sums out. */
+    static double smi_tile_sums(int route, smi_kernel_cols f, const double* par, int n_data,
+                                int n_out, const double* data, double delta, const double* omega,
+                                const double* P, double const0, int R, int T, int d, int M, long K,
+                                const double* ref, double floor, double* buf, double* out) {
+        const int RT = R * T, nt = route == 0 ? 2 : 1;
+        const smi_tile_rows b = smi_tile_layout(buf, n_data, RT, M, n_out);
+        f(route == 0 ? buf : b.X, SMI_TILE, par, b.KO, SMI_TILE, K);     /* the kernel, by columns */
+        smi_last_layer(route, T, d, K, SMI_TILE, b.KO, b.X, b.OK);
+        double mx = smi_term_logs(route, nt, R, T, d, K, SMI_TILE, b.X, b.KO, b.OK, omega, P, const0,
+                                  n_out, data, delta, b.LB, b.LF);
+        if (mx < floor || mx == -INFINITY)              /* the tile is negligible */
+            return mx;
+        smi_weights(nt, K, SMI_TILE, mx, b.INV, b.LF, b.WC);
+        smi_expand(nt, RT, T, d, K, SMI_TILE, b.X, ref, b.ZC);
+        smi_sums(nt * K, RT, 1, b.WC, b.ZC, out);
+        return mx;
+    }
+
     /* The Laplace rule (``integrate``) on K <= SMI_TILE nodes x_k = c_m + A_m xi_k of partition
        piece m of one sample, by rows of the tile (the loops over the nodes vectorise, and so
        does the kernel's, by columns): the nodes; their partition weights pi_m(x_k), as the log
@@ -619,7 +661,6 @@ cdef extern from *:
        sum_t (Z_t - omega_t)' P (Z_t - omega_t).  Terms with a non-finite value weigh 0.  buf:
        (n_data + 3 RT + M + n_out + 8) SMI_TILE doubles, its first n_data rows each filled with
        its datum by the caller (route 0: the kernel's inputs are these rows and x's). */
-    typedef void (*smi_kernel_cols)(const double*, long, const double*, double*, long, long);
     static double smi_laplace_tile(int route, smi_kernel_cols f, const double* par,
                                    int n_data, int n_out, const double* data, double delta,
                                    const double* omega, const double* P, double const0, int R,
@@ -627,17 +668,8 @@ cdef extern from *:
                                    const double* A, const double* H, const double* logh,
                                    double ldA, const double* xi, const double* lw, long K,
                                    const double* ref, double floor, double* buf, double* out) {
-        const int RT = R * T, nt = route == 0 ? 2 : 1;
-        double* X = buf + n_data * SMI_TILE;            /* Z of the first term, RT rows */
-        double* LQ = X + RT * SMI_TILE;                 /* the pieces' lq, M rows */
-        double* KO = LQ + M * SMI_TILE;                 /* kernel outputs, n_out rows */
-        double* LB = KO + n_out * SMI_TILE;
-        double* INV = LB + SMI_TILE;
-        double* LMX = INV + SMI_TILE;
-        double* OK = LMX + SMI_TILE;
-        double* LF = OK + SMI_TILE;                     /* nt rows */
-        double* WC = LF + nt * SMI_TILE;                /* nt rows */
-        double* ZC = WC + nt * SMI_TILE;                /* RT rows of nt SMI_TILE */
+        const smi_tile_rows b = smi_tile_layout(buf, n_data, R * T, M, n_out);
+        double *X = b.X, *LQ = b.LQ, *LB = b.LB, *INV = b.INV, *LMX = b.LMX;
         const double* c = centers + m * d;
         const double* Am = A + m * d * d;
         for (int i = 0; i < d; i++) {                   /* the nodes */
@@ -700,16 +732,8 @@ cdef extern from *:
                 INV[k] = 1.0 / INV[k];
             }
         }
-        f(route == 0 ? buf : X, SMI_TILE, par, KO, SMI_TILE, K);     /* the kernel, by columns */
-        smi_last_layer(route, T, d, K, SMI_TILE, KO, X, OK);
-        double mx = smi_term_logs(route, nt, R, T, d, K, SMI_TILE, X, KO, OK, omega, P, const0, n_out,
-                                  data, delta, LB, LF);
-        if (mx < floor || mx == -INFINITY)              /* the tile is negligible */
-            return mx;
-        smi_weights(nt, K, SMI_TILE, mx, INV, LF, WC);
-        smi_expand(nt, RT, T, d, K, SMI_TILE, X, ref, ZC);
-        smi_sums(nt * K, RT, 1, WC, ZC, out);
-        return mx;
+        return smi_tile_sums(route, f, par, n_data, n_out, data, delta, omega, P, const0, R, T, d, M,
+                             K, ref, floor, buf, out);
     }
     """
     double smi_exp_neg(double x) noexcept nogil
@@ -747,6 +771,15 @@ cdef extern from *:
                             const double* logh, double ldA, const double* xi, const double* lw,
                             long K, const double* ref, double floor, double* buf,
                             double* out) noexcept nogil
+    ctypedef struct smi_tile_rows:
+        double* X
+        double* LB
+        double* INV
+    smi_tile_rows smi_tile_layout(double* buf, int n_data, int RT, int M, int n_out) noexcept nogil
+    double smi_tile_sums(int route, cols_t f, const double* par, int n_data, int n_out,
+                         const double* data, double delta, const double* omega, const double* P,
+                         double const0, int R, int T, int d, int M, long K, const double* ref,
+                         double floor, double* buf, double* out) noexcept nogil
 
 
 cdef inline double _quad_v(const double* Z, const double* omega, const double* Vinv,
@@ -975,6 +1008,29 @@ cdef void _acc_finish(Acc* acc, double* log_z, double* mean, double* second) noe
     free(acc.s1)
 
 
+cdef double _const0(int route, int R, int T, double logdetV, int n_node, double delta) noexcept nogil:
+    """The normalisation in the log integrand: -T (R log 2π + log det V) / 2, and for route 1
+    (n_node noisy outputs) - n_node log(2πΔ) / 2."""
+    cdef double c = -0.5 * T * (R * log(2 * M_PI) + logdetV)
+    return c - 0.5 * n_node * log(2 * M_PI * delta) if route == 1 else c
+
+
+cdef double* _tile_buffer(int route, int n_data, const double* data, int RT, int M, int n_out,
+                          double** part) noexcept nogil:
+    """A tile's buffer (``smi_laplace_tile``; route 0: its data rows filled) and, at ``part``,
+    the tile's sums (1 + RT + RT² doubles)."""
+    cdef int j
+    cdef long k
+    cdef long rows = (n_data if route == 0 else 0) + 3 * RT + M + n_out + 8
+    cdef double* buf = <double*> malloc((rows * SMI_TILE + 1 + RT + RT * RT) * sizeof(double))
+    part[0] = buf + rows * SMI_TILE
+    if route == 0:                      # the kernel's data rows
+        for j in range(n_data):
+            for k in range(SMI_TILE):
+                buf[j * SMI_TILE + k] = data[j]
+    return buf
+
+
 cdef void _sample(int route, cols_t f, const double* par, const double* data, int n_data,
                   const double* omega, const double* Vinv, double logdetV,
                   const double* centers, const double* A, const double* H, const double* logh, int M,
@@ -985,17 +1041,9 @@ cdef void _sample(int route, cols_t f, const double* par, const double* data, in
     cdef int RT = R * T, m, k0, n_out = n_node
     cdef long K
     cdef Acc acc
-    cdef double const0 = -0.5 * T * (R * log(2 * M_PI) + logdetV), ldA, top
-    if route == 1:
-        const0 -= 0.5 * n_node * log(2 * M_PI * delta)
-    cdef int j
-    cdef double* buf = <double*> malloc(((n_data + 3 * RT + M + n_out + 8) * SMI_TILE + 1 + RT + RT * RT)
-                                        * sizeof(double))
-    cdef double* part = buf + (n_data + 3 * RT + M + n_out + 8) * SMI_TILE
-    if route == 0:                      # the kernel's data rows
-        for j in range(n_data):
-            for K in range(SMI_TILE):
-                buf[j * SMI_TILE + K] = data[j]
+    cdef double const0 = _const0(route, R, T, logdetV, n_node, delta), ldA, top
+    cdef double* part
+    cdef double* buf = _tile_buffer(route, n_data, data, RT, M, n_out, &part)
     _acc_init(&acc, RT)
     for m in range(M):
         if not logh[m] > -INFINITY:
@@ -1179,37 +1227,68 @@ def integrate_product(const double[:, ::1] rows, const long[::1] row_ptr, const 
                             u_ptr[i], u_ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
-def integrate_points(const double[:, ::1] Z, const double[::1] log_w, const long[::1] ptr,
-                     const double[:, ::1] omega, double[::1] log_z, double[:, ::1] mean,
-                     double[:, :, ::1] second, int threads=0):
-    """Moments of weighted points: sample i sums its points k (ptr[i] ≤ k < ptr[i+1], rows of
-    ``Z``) with weights e^{log_w[k]} (a running maximum: nothing overflows).  Returns log Σ w,
-    E[Z - ω] and E[(Z - ω)(Z - ω)ᵀ] (ω the sample's row of ``omega``), as ``integrate_polar``."""
+def integrate_nodes(int route, capsule, const double[::1] params, const double[:, ::1] data,
+                    const double[:, ::1] omega, const double[:, :, ::1] Vinv, const double[::1] logdetV,
+                    const double[:, ::1] rows, const long[::1] ptr, const double[:, ::1] xi,
+                    const double[::1] lw, int R, int T, int n_node, double delta, double[::1] log_z,
+                    double[:, ::1] mean, double[:, :, ::1] second, int threads=0):
+    """A product rule: sample i sums Σ_j Σ_k e^{c_j + lw_k} f(x_jk) over its rows j (ptr[i] ≤ j <
+    ptr[i+1] of ``rows``: [a_j (d - e), b_j (e), σ_j, c_j]) and the rule's nodes ξ_k (rows of
+    ``xi``, e = its width) with x_jk = [a_j; b_j + σ_j ξ_k]; f and the kernel ``capsule`` as
+    ``integrate``'s (route 1: x = Z, d = R T; route 0: d = (R - 1) T), tile by tile
+    (``smi_tile_sums``; tiles below e^-SMI_SKIP of the running maximum left out).  Returns
+    log Σ, E[Z - ω] and E[(Z - ω)(Z - ω)ᵀ], as ``integrate_polar``."""
+    cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
     cdef Py_ssize_t n = omega.shape[0], i
-    cdef int RT = omega.shape[1]
+    cdef int e = xi.shape[1], d = rows.shape[1] - 2, n_data = data.shape[1]
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not (Z.shape[1] == RT and log_w.shape[0] == Z.shape[0] and ptr.shape[0] == n + 1
-            and ptr[n] <= Z.shape[0] and log_z.shape[0] == n):
-        raise ValueError("integrate_points needs Z with omega's columns, one log weight per point "
-                         "and ptr of n + 1 offsets")
+    if not (omega.shape[1] == R * T and d == (R * T if route == 1 else (R - 1) * T) and 0 < e <= d
+            and lw.shape[0] == xi.shape[0] and ptr.shape[0] == n + 1 and ptr[n] <= rows.shape[0]
+            and data.shape[0] == n and log_z.shape[0] == n):
+        raise ValueError("integrate_nodes needs rows of d + 2 values (route 1: d = R T; 0: (R - 1) T), "
+                         "a rule of at most d columns with one log weight per node, and ptr of n + 1 offsets")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _points_sample(&Z[0, 0], &log_w[0], ptr[i], ptr[i + 1], &omega[i, 0], RT, &log_z[i], &mean[i, 0],
-                           &second[i, 0, 0])
+            _nodes_sample(route, f, &params[0], &data[i, 0], n_data, &omega[i, 0], &Vinv[i, 0, 0],
+                          logdetV[i], &rows[0, 0], ptr[i], ptr[i + 1], d, &xi[0, 0], &lw[0], xi.shape[0], e,
+                          R, T, n_node, delta, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
-cdef void _points_sample(const double* Z, const double* log_w, Py_ssize_t k0, Py_ssize_t k1,
-                         const double* omega, int RT, double* log_z, double* mean, double* second) noexcept nogil:
-    """One sample of ``integrate_points``: points k0:k1, those below e^-SMI_SKIP of the running
-    maximum left out."""
+cdef void _nodes_sample(int route, cols_t f, const double* par, const double* data, int n_data,
+                        const double* omega, const double* Vinv, double logdetV, const double* rows,
+                        Py_ssize_t j0, Py_ssize_t j1, int d, const double* xi, const double* lw, long G,
+                        int e, int R, int T, int n_node, double delta, double* log_z, double* mean,
+                        double* second) noexcept nogil:
+    """One sample of ``integrate_nodes``: the nodes of its rows j0:j1, row by row, by tiles."""
+    cdef int RT = R * T, i, w = d + 2
+    cdef long K = 0, k
+    cdef Py_ssize_t j
+    cdef const double* row
     cdef Acc acc
-    cdef Py_ssize_t k
+    cdef double const0 = _const0(route, R, T, logdetV, n_node, delta), top
+    cdef double* part
+    cdef double* buf = _tile_buffer(route, n_data, data, RT, 0, n_node, &part)
+    cdef smi_tile_rows b = smi_tile_layout(buf, n_data if route == 0 else 0, RT, 0, n_node)
     _acc_init(&acc, RT)
-    for k in range(k0, k1):
-        if log_w[k] > acc.mx - SMI_SKIP:
-            _add(&acc, log_w[k], Z + k * RT, omega)
+    for j in range(j0, j1):
+        row = rows + j * w
+        for k in range(G):
+            for i in range(d - e):
+                b.X[i * SMI_TILE + K] = row[i]
+            for i in range(d - e, d):
+                b.X[i * SMI_TILE + K] = row[i] + row[d] * xi[k * e + i - d + e]
+            b.LB[K] = row[d + 1] + lw[k]
+            b.INV[K] = 1.0
+            K += 1
+            if K == SMI_TILE or (j == j1 - 1 and k == G - 1):
+                top = smi_tile_sums(route, f, par, n_data if route == 0 else 0, n_node, data, delta, omega,
+                                    Vinv, const0, R, T, d, 0, K, omega, acc.mx - SMI_SKIP, buf, part)
+                if top >= acc.mx - SMI_SKIP and top > -INFINITY:
+                    _add_sums(&acc, top, part)
+                K = 0
     _acc_finish(&acc, log_z, mean, second)
+    free(buf)
 
 
 def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] seg_b1,

@@ -1273,7 +1273,7 @@ class NoisyChannel(PolarRule, Channel):
     # 3e-3 … 1e-2 off: the likelihood is not smooth on h_2's window) and is tried on the samples
     # whose estimate is above ``escalate`` (``tol`` when given); its result is kept where its own
     # estimate (``_conditional``) is lower.
-    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2, piece=1 << 18)  # piece: points held at a time
+    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2)
 
     @property
     def _conditional_applies(self):
@@ -1325,39 +1325,27 @@ class NoisyChannel(PolarRule, Channel):
     def _conditional_run(self, y, omega, V, scale, count):
         """One pass of the conditional rule: h_1's rings at ``scale`` (both half planes; nodes
         with |x_1 − ω_1|² > reach² V_11 left out, as the polar rule's), per node x_1 the
-        ``count``² Gauss–Hermite nodes h_2 = m + √2 s ξ of N(h_2; m, s² I) (h_2 given x_1), each
-        of log weight log w(x_1) + log N(x_1; ω_1, V_11 I) + log(w_ξ/π) + log N(y; σ_β(u uᵀ), Δ I),
-        u = Φ⁽¹⁾(x_1) h_2, at Z = (x_1, h_2); CONDITIONAL["piece"] points at a time, the pieces'
-        moments merged by mass.  Returns (log_z, E[Z − ω], E[(Z − ω)(Z − ω)ᵀ])."""
+        ``count``² Gauss–Hermite nodes h_2 = m + √2 s ξ of N(h_2; m, s² I) (h_2 given x_1): the
+        rule Σ e^{lb} N(Z; ω, V) N(y; g(Z), Δ I) at Z = (x_1, h_2) (``_quadrature.integrate_nodes``
+        with the route's node kernel), lb = log w(x_1) + log(w_ξ/π) + |ξ|² + log(2π s²) (the
+        Gauss–Hermite weight over N(h_2; m, s² I), which N(Z; ω, V) holds).  Returns (log_z,
+        E[Z − ω], E[(Z − ω)(Z − ω)ᵀ])."""
         n, RT = len(omega), self.R * self.T
-        total = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
+        total = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         t, wt = np.polynomial.hermite.hermgauss(count)
         xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
-        lxi = np.log(np.outer(wt, wt) / np.pi).ravel()
+        lxi = np.log(np.outer(wt, wt) / np.pi).ravel() + (xi ** 2).sum(axis=1)
+        Vinv, logdetV = np.linalg.inv(V), np.linalg.slogdet(V)[1]
         owner, x1, lw1 = self._ring_rows(omega, V, scale, reflect=True)
         near = ((x1 - omega[owner, 0]) ** 2).sum(axis=1) <= self._polar_params()["reach"] ** 2 * V[owner, 0, 0]
         owner, x1, lw1 = owner[near], x1[near], lw1[near]
-        G, step = len(xi), max(1, self.CONDITIONAL["piece"] // len(xi))
-        for a in range(0, len(owner), step):
-            i, x = owner[a:a + step], x1[a:a + step]
-            phi = self._mixing_kernel(np.ascontiguousarray(x), self.model.params).T     # rows Φ, log|det Φ|
-            m, s2 = _given_h1(x, omega[i], V[i])
-            Z = np.empty((len(x), G, RT))
-            Z[:, :, :2] = x[:, None]
-            Z[:, :, 2:] = m[:, None] + np.sqrt(2 * s2)[:, None, None] * xi
-            u = np.empty((len(x), G, 2))
-            u[:, :, 0] = phi[0, :, None] * Z[:, :, 2] + phi[1, :, None] * Z[:, :, 3]
-            u[:, :, 1] = phi[2, :, None] * Z[:, :, 2] + phi[3, :, None] * Z[:, :, 3]
-            r = self._u_model.forward(u.reshape(-1, 1, 2)).reshape(len(x), G, 4) - y[i][:, None]
-            v1 = V[i, 0, 0]
-            lw = ((lw1[a:a + step] - 0.5 * ((x - omega[i, 0]) ** 2).sum(axis=1) / v1 - np.log(2 * np.pi * v1)
-                   - 2 * np.log(2 * np.pi * self._delta))[:, None] + lxi
-                  - 0.5 / self._delta * np.einsum("kgj,kgj->kg", r, r))
-            ids, first = np.unique(i, return_index=True)
-            out = np.empty(len(ids)), np.empty((len(ids), RT)), np.empty((len(ids), RT, RT))
-            _quadrature.integrate_points(Z.reshape(-1, RT), lw.ravel(), np.append(first, len(i)) * G,
-                                         np.ascontiguousarray(omega[ids].reshape(-1, RT)), *out, self.threads)
-            _merge(total, ids, out)
+        m, s2 = _given_h1(x1, omega[owner], V[owner])
+        rows = np.column_stack([x1, m, np.sqrt(2 * s2), lw1 + np.log(2 * np.pi * s2)])
+        ptr = np.searchsorted(owner, np.arange(n + 1))
+        _quadrature.integrate_nodes(self._route_id, self._node_kernel.capsule("columns"), self.model.params,
+                                    np.ascontiguousarray(y), omega.reshape(n, RT), np.ascontiguousarray(Vinv),
+                                    logdetV, rows, ptr, xi, lxi, self.R, self.T, self._n_node, self._delta,
+                                    *total, self.threads)
         return total
 
     # -- any other link: the adaptive rule's starting boxes refined onto the likelihood (R·T ≤ 4 by default) --

@@ -1459,21 +1459,36 @@ def test_noisy_l2_conditional_rule_pinned_last_layer():
     assert max(worst[0]) <= 1e-4 and min(worst[1]) > 1e-3, worst
 
 
-def test_integrate_points_against_numpy():
-    """``_quadrature.integrate_points`` (the conditional rule's sums) against the weighted moments
-    computed directly, with weights spread over 600 e-folds (the running maximum)."""
+def test_integrate_nodes_against_numpy():
+    """``_quadrature.integrate_nodes`` (the conditional rule's product rule) against the weighted
+    moments computed directly, with the integrand N(Z; ω, V) N(y; g(Z), Δ I) from the spec's
+    forward model (tests/reference.py), over rows whose log weights spread over 600 e-folds (the
+    running maximum), in tiles that end inside a row."""
     from smi_core import _quadrature
     rng = np.random.default_rng(1)
-    Z, lw = rng.standard_normal((50, 4)), rng.uniform(-300.0, 300.0, 50)
-    omega, ptr = rng.standard_normal((2, 4)), np.array([0, 20, 50])
+    delta, counts, mm = 0.1, [3, 7], Model(2, 2)
+    ch = model(2).channel(noise=delta)
+    rows = np.column_stack([rng.standard_normal((10, 4)), rng.uniform(0.1, 0.5, 10), rng.uniform(-300, 300, 10)])
+    xi, lw = rng.standard_normal((37, 2)), rng.uniform(-2.0, 0.0, 37)       # 37 nodes: tiles of 256 split rows
+    omega, y = rng.standard_normal((2, 4)), rng.uniform(0.1, 0.9, (2, 4))
+    V = np.array([[[1.0, 0.3], [0.3, 0.5]], [[0.7, -0.2], [-0.2, 0.4]]])
+    Vinv, ptr = np.linalg.inv(V), np.array([0, 3, 10])
     out = np.empty(2), np.empty((2, 4)), np.empty((2, 4, 4))
-    _quadrature.integrate_points(Z, lw, ptr, omega, *out)
+    _quadrature.integrate_nodes(1, ch._node_kernel.capsule("columns"), ch.model.params, y, omega, Vinv,
+                                np.linalg.slogdet(V)[1], rows, ptr, xi, lw, 2, 2, 4, delta, *out)
     for i in range(2):
-        z, w = Z[ptr[i]:ptr[i + 1]] - omega[i], lw[ptr[i]:ptr[i + 1]]
-        p = np.exp(w - w.max())
-        assert out[0][i] == pytest.approx(w.max() + np.log(p.sum()), rel=1e-14)
-        np.testing.assert_allclose(out[1][i], p @ z / p.sum(), rtol=1e-12, atol=1e-14)
-        np.testing.assert_allclose(out[2][i], (z * p[:, None]).T @ z / p.sum(), rtol=1e-12, atol=1e-14)
+        r = rows[ptr[i]:ptr[i + 1]]
+        Z = np.concatenate([np.repeat(r[:, None, :2], len(xi), axis=1),
+                            r[:, None, 2:4] + r[:, None, 4:5] * xi[None]], axis=2).reshape(-1, 4)
+        D = Z.reshape(-1, 2, 2) - omega[i].reshape(2, 2)
+        g = mm.forward(Z.reshape(-1, 2, 2)).reshape(-1, 4)
+        w = ((r[:, 5:6] + lw[None]).ravel() - 0.5 * np.einsum("kat,ab,kbt->k", D, Vinv[i], D)
+             - np.log(2 * np.pi) * 2 - np.linalg.slogdet(V[i])[1]
+             - 0.5 * ((g - y[i]) ** 2).sum(axis=1) / delta - 2 * np.log(2 * np.pi * delta))
+        p, z = np.exp(w - w.max()), Z - omega[i]
+        assert out[0][i] == pytest.approx(w.max() + np.log(p.sum()), rel=1e-12)
+        np.testing.assert_allclose(out[1][i], p @ z / p.sum(), rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(out[2][i], (z * p[:, None]).T @ z / p.sum(), rtol=1e-10, atol=1e-13)
 
 
 # A draw of the test above (draw 0, Δ = 1e-2) with its noisy-route moments from the 4-D reference
