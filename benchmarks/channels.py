@@ -157,8 +157,8 @@ def adaptive_reference(model, noise, y, omega, V):
     n = len(y)
     V = np.broadcast_to(V, (n,) + V.shape[-2:]).copy()
     Vinv = np.linalg.inv(V)
-    channel = model.channel(noise=noise, tol=1e-8, max_regions=200_000, threads=1)
-    channel.CONDITIONAL = dict(channel.CONDITIONAL, sd=0.0)     # the adaptive rule, not the conditional, escalates
+    channel = model.channel(noise=noise, tol=1e-8, max_regions=200_000, threads=1,
+                            conditional=dict(sd=0.0))       # the adaptive rule, not the conditional, escalates
     m = channel._assemble(omega, V, Vinv, *Channel._laplace(channel, y.reshape(n, -1), omega, V, Vinv,
                                                             np.linalg.slogdet(V)[1]))
     return [Fine(g, dg) for g, dg in zip(m.g_out, m.dg_out)]

@@ -156,13 +156,6 @@ class Channel:
 
     model_is_points = False
     escalates = False       # whether the error estimate changes the moments (not only reports)
-
-    @property
-    def se_escalates(self) -> bool:
-        """Whether state evolution and GAMP keep the estimate by default (``escalates``, unless
-        the escalation costs more than they can afford per iteration; see NoisyChannel)."""
-        return self.escalates
-
     ridges = False          # whether curved posteriors escalate to the adaptive rule on the ridge
     unresolved = False      # whether curved posteriors stay with the Laplace rule (flagged by the estimate)
 
@@ -436,6 +429,24 @@ def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
                               (cuts[1:] + cuts[:-1]) / 2, np.full(len(cuts) - 1, t_cuts[k + 1] - t_cuts[k]) / 2,
                               np.diff(cuts) / 2], axis=1))
     return np.concatenate(base)
+
+
+def _conditional_settings(defaults, changes):
+    """``defaults`` with ``changes`` (NoisyChannel's ``conditional``): scale > 0 (× the rings'
+    default counts), nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0."""
+    out = dict(defaults)
+    for key, value in (changes or {}).items():
+        if key not in defaults:
+            raise ValueError(f"conditional takes {sorted(defaults)}, got {key!r}")
+        integer = key in ("nodes", "rounds")
+        low = {"nodes": 3, "rounds": 0, "sd": 0}.get(key)
+        if (integer and not isinstance(value, (int, np.integer))) or not np.isfinite(value) or (
+                value < low if low is not None else value <= 0):
+            kind = "an integer" if integer else "a number"
+            raise ValueError(f"conditional[{key!r}] must be {kind} " + (f"≥ {low}" if low is not None else "> 0")
+                             + f", got {value!r}")
+        out[key] = value
+    return out
 
 
 def _keep_lower(out, redo, better):
@@ -951,12 +962,16 @@ class NoisyChannel(PolarRule, Channel):
     # 2 % (above 1e-5: 19 / 9 / 3 %)
     ESCALATE = 1e-4
 
-    def __init__(self, model, noise: float, escalate: float | None = None, **options):
+    def __init__(self, model, noise: float, escalate: float | None = None, conditional: dict | None = None,
+                 **options):
         """``escalate`` (T = 2 attention, L = 2, Δ < POLAR_MIN_NOISE[2]): the estimate above which
-        a sample gets finer rings of h_1 (default ESCALATE; ``tol`` when given)."""
+        a sample gets finer rings of h_1 (default ESCALATE; ``tol`` when given).  ``conditional``:
+        entries of CONDITIONAL to change (two layers, Δ ≥ POLAR_MIN_NOISE[2]; e.g. state
+        evolution's cheaper rule, ``state_evolution.CONDITIONAL``)."""
         super().__init__(model, **options)
         self._delta = validate.positive("noise", noise)
         self.escalate = self.ESCALATE if escalate is None else validate.positive("escalate", escalate)
+        self.conditional = _conditional_settings(self.CONDITIONAL, conditional)
         self._n_node = self._n_data_noise = int(np.prod(model.output_shape)) if model.output_shape else 1
         spec = getattr(model, "spec", None)
         attention = (spec is not None and spec.architecture == "tied" and spec.link == "softmax"
@@ -1049,14 +1064,6 @@ class NoisyChannel(PolarRule, Channel):
         the adaptive rule.  Two layers at Δ ≥ POLAR_MIN_NOISE[2]: samples above it whose h_2 is
         narrow given h_1 go to the conditional rule (``_laplace``)."""
         return (self._preimage and self.model.layers == 2) or self._conditional_applies or self.ridges
-
-    @property
-    def se_escalates(self) -> bool:
-        """Not the conditional rule: in state evolution it would cost 43–86 ms per sample (wall,
-        2 threads) where the Laplace rule takes 0.2 ms — at q = (0.26, 0.98), Δ = 0.1 (the
-        α = 8 fixed point) q̂₁₁ was 2 % lower with it (0.4435 against 0.4525 on 512 draws,
-        paired difference 0.009; see README); ``channel={"error_estimate": True}`` turns it on."""
-        return (self._preimage and self.model.layers == 2) or self.ridges
 
     @property
     def ridges(self):
@@ -1302,14 +1309,14 @@ class NoisyChannel(PolarRule, Channel):
         conditional rule ≈ 1e-6)."""
         if not self._conditional_applies or self._target(True) is None:
             return np.zeros(len(V), dtype=bool)
-        return V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0] <= self.CONDITIONAL["sd"] ** 2
+        return V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0] <= self.conditional["sd"] ** 2
 
     def _conditional(self, y, omega, V, Vinv, target):
-        """The conditional rule at CONDITIONAL's ``scale`` and ``nodes`` (both × ``nodes`` /
+        """The conditional rule at ``conditional``'s ``scale`` and ``nodes`` (both × ``nodes`` /
         DEFAULT_NODES[2]), its estimate the difference to the rule at scale / 1.5 and nodes − 2;
         samples above ``target`` get scale × 1.5 and nodes + 2 (the previous rule as the
-        coarse one), up to CONDITIONAL["rounds"] times.  Returns (log_z, E[Z], Cov[Z], error)."""
-        c, ref = self.CONDITIONAL, omega.reshape(len(omega), -1)
+        coarse one), up to ``rounds`` times.  Returns (log_z, E[Z], Cov[Z], error)."""
+        c, ref = self.conditional, omega.reshape(len(omega), -1)
         f = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
         scale, nodes = c["scale"] * f, max(3, round(c["nodes"] * f))
         coarse, fine = (self._conditional_run(y, omega, V, *lv) for lv in ((scale / 1.5, nodes - 2),
@@ -1412,7 +1419,7 @@ class ClosedChannel:
     links with two pre-images ±r(y) (phase retrieval z², |z|).  No quadrature, ``error`` = 0."""
 
     route = "closed"
-    escalates = se_escalates = error_estimate = ridges = unresolved = False     # exact: no estimate to compute
+    escalates = error_estimate = ridges = unresolved = False     # exact: no estimate to compute
 
     def __init__(self, model, noise: float | None = None, threads: int | None = None):
         from derive.closed import closed_form_program, support, token_wise

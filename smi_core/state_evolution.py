@@ -55,6 +55,12 @@ ESCALATE = 1e-3               # SE's two-layer channel: samples whose estimate i
                               # rules.  q̂ (the mean over draws) is then within 6e-7 (relative) of the
                               # tol = 1e-7 channel from q = diag(0, 0.92) to diag(0.95, 0.9995),
                               # against 1.1e-8 with the channel's default 1e-5, at 0.3–0.6 of its time
+CONDITIONAL = dict(scale=1.0, nodes=8, rounds=0)   # the noisy route's conditional rule in SE (two layers,
+                              # Δ ≥ 1e-3, a pinned last layer): half the rings' counts and 8 nodes in h_2
+                              # of the default, no finer rounds.  At Δ = 0.1, 512 draws, q̂ is within
+                              # 1.2e-4 (relative) of the default rule's at q = diag(0.26, 0.98),
+                              # diag(0.82, 0.99), diag(0.1, 0.97) (α = 8, 16, 6), at 1/5–1/16 of its
+                              # time; the Laplace rule alone puts q̂₁₁ 2–9 % off there
 FLAG = (1e-2, 0.01)           # a warning where the channel estimates above 1e-2 on > 1 % of the samples
 RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 NEWTON_REACH = 1e-2           # a failed convergence check takes its Newton step when it is this short
@@ -361,17 +367,17 @@ def _channel(model, noise, options):
     """The channel SE calls: a one-index link's closed form when SymPy has one, else the
     model's default route (reparametrisation, or the noisy route when noise is given), with
     its default nodes.  The per-sample error estimate is computed only where it changes the
-    moments at a cost SE affords (``channel.se_escalates``: two-layer attention, noiseless or
-    with Δ below the noisy route's POLAR_MIN_NOISE, whose pinned samples it sends to finer
-    rules — without it, at q = diag(0.81, 0.998), 38 % of the noiseless samples are off by more
-    than 1e-4 and q̂₂₂ by 0.4 %; links with R·T ≤ 4, ``channel.ridges``, whose curved
+    moments (``channel.escalates``: two-layer attention, noiseless or noisy, whose pinned samples
+    it sends to finer rules — without it, at q = diag(0.81, 0.998), 38 % of the noiseless
+    samples are off by more than 1e-4 and q̂₂₂ by 0.4 %; at Δ ≥ 1e-3 the conditional rule, at
+    SE's CONDITIONAL unless the options give ``tol`` or ``conditional``; links with R·T ≤ 4,
+    ``channel.ridges``, whose curved
     posteriors it sends to the ridge-refined adaptive rule — without it, y = h_1 h_2 + noise at
     Δ = 0.01 has q̂₁₁ 0.0126 where 0.0035 after two iterations from the uninformed start), where
     it flags samples the rule does not resolve (``channel.unresolved``, R·T > 4:
-    ``_Problem._flag`` warns), or when the options ask for it (``tol``, ``error_estimate``; the
-    noisy route's conditional rule for a pinned last layer at Δ ≥ 1e-3 runs only then,
-    ``NoisyChannel.se_escalates``); SE escalates from ESCALATE, not from the channel's default.
-    A channel already built is used as it is."""
+    ``_Problem._flag`` warns), or when the options ask for it (``tol``, ``error_estimate``); SE
+    escalates from ESCALATE, not from the channel's default.  A channel already built is used
+    as it is."""
     if hasattr(options, "moments"):
         return options
     options = dict(options or {})
@@ -380,8 +386,10 @@ def _channel(model, noise, options):
             return model.channel(route="closed", noise=noise, threads=options.get("threads"))
         except ValueError:
             pass
+    if noise is not None and options.get("route", "noisy") == "noisy" and not {"tol", "conditional"} & options.keys():
+        options["conditional"] = CONDITIONAL
     channel = model.channel(noise=noise, **options)
-    if not ({"tol", "error_estimate"} & options.keys() or channel.se_escalates or channel.unresolved):
+    if not ({"tol", "error_estimate"} & options.keys() or channel.escalates or channel.unresolved):
         channel.error_estimate = False      # it would only report, or escalate beyond what SE affords
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE

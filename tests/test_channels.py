@@ -1444,9 +1444,8 @@ def test_noisy_l2_conditional_rule_pinned_last_layer():
     n = len(y)
     Vb = np.broadcast_to(V, (n, 2, 2)).copy()
     Vinv = np.linalg.inv(Vb)
-    ch = model(2).channel(noise=0.1, tol=1e-8, max_regions=200000)
-    assert ch.escalates
-    ch.CONDITIONAL = dict(ch.CONDITIONAL, sd=0.0)   # no sample is the conditional rule's: the adaptive rule runs
+    ch = model(2).channel(noise=0.1, tol=1e-8, max_regions=200000, conditional=dict(sd=0.0))
+    assert ch.escalates             # sd = 0: no sample is the conditional rule's, the adaptive rule runs
     exact = ch._assemble(omega, Vb, Vinv, *Channel._laplace(ch, y.reshape(n, 4), omega, Vb, Vinv,
                                                             np.linalg.slogdet(Vb)[1]))
     worst = {}
@@ -1590,6 +1589,12 @@ def test_bad_input_t3_inconsistent_output():
     (dict(escalate=0.0), "escalate"), (dict(escalate=float("nan")), "escalate"),
     (dict(noise=1e-5, escalate=-1.0), "escalate"), (dict(max_regions=0), "max_regions"),
     (dict(max_regions=2.5), "max_regions"),
+    (dict(noise=0.1, conditional=dict(scale=0.0)), "conditional"),
+    (dict(noise=0.1, conditional=dict(nodes=2)), "conditional"),
+    (dict(noise=0.1, conditional=dict(nodes=8.5)), "conditional"),
+    (dict(noise=0.1, conditional=dict(rounds=-1)), "conditional"),
+    (dict(noise=0.1, conditional=dict(sd=float("nan"))), "conditional"),
+    (dict(noise=0.1, conditional=dict(points=4)), "conditional"),
 ])
 def test_bad_channel_options(options, match):
     with pytest.raises(ValueError, match=match):
