@@ -433,15 +433,18 @@ def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
 
 def _conditional_settings(defaults, changes):
     """``defaults`` with ``changes`` (NoisyChannel's ``conditional``): scale > 0 (× the rings'
-    default counts), nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0."""
+    default counts), nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None."""
     out = dict(defaults)
     for key, value in (changes or {}).items():
         if key not in defaults:
             raise ValueError(f"conditional takes {sorted(defaults)}, got {key!r}")
+        if key == "escalate" and value is None:
+            out[key] = None
+            continue
         integer = key in ("nodes", "rounds")
         low = {"nodes": 3, "rounds": 0, "sd": 0}.get(key)
-        if (integer and not isinstance(value, (int, np.integer))) or not np.isfinite(value) or (
-                value < low if low is not None else value <= 0):
+        if (not isinstance(value, (int, np.integer) if integer else (int, float, np.integer, np.floating))
+                or not np.isfinite(value) or (value < low if low is not None else value <= 0)):
             kind = "an integer" if integer else "a number"
             raise ValueError(f"conditional[{key!r}] must be {kind} " + (f"≥ {low}" if low is not None else "> 0")
                              + f", got {value!r}")
@@ -1280,7 +1283,8 @@ class NoisyChannel(PolarRule, Channel):
     # 3e-3 … 1e-2 off: the likelihood is not smooth on h_2's window) and is tried on the samples
     # whose estimate is above ``escalate`` (``tol`` when given); its result is kept where its own
     # estimate (``_conditional``) is lower.
-    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2)
+    CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2, escalate=None)   # escalate: its rounds' target
+                                                                                # (None: escalate, or tol)
 
     @property
     def _conditional_applies(self):
@@ -1290,7 +1294,7 @@ class NoisyChannel(PolarRule, Channel):
     def _laplace(self, y, omega, V, Vinv, logdetV):
         """The Laplace rule (``Channel._laplace``); two layers with Δ ≥ POLAR_MIN_NOISE[2] and
         the estimate: its samples above ``escalate`` (``tol`` when given) whose h_2 is narrow
-        given h_1 (s ≤ CONDITIONAL["sd"]; the rings take the samples with s ≥ POLAR_MIN_SD) get
+        given h_1 (s ≤ ``conditional["sd"]``; the rings take the samples with s ≥ POLAR_MIN_SD) get
         the conditional rule, kept where its estimate is lower (with ``tol``, instead of the
         adaptive rule: ``_escalated_elsewhere``)."""
         out = super()._laplace(y, omega, V, Vinv, logdetV)
@@ -1304,7 +1308,7 @@ class NoisyChannel(PolarRule, Channel):
 
     def _escalated_elsewhere(self, V):
         """Where the conditional rule runs (``_laplace``), the samples whose h_2 is narrow given
-        h_1 (s ≤ CONDITIONAL["sd"]): the conditional rule, not the adaptive rule in Z, escalates
+        h_1 (s ≤ ``conditional["sd"]``): the conditional rule, not the adaptive rule in Z, escalates
         them (at Δ = 0.1, q = diag(0, 0.99) that rule at its 4 000-box budget was ≈ 1e-4 off, the
         conditional rule ≈ 1e-6)."""
         if not self._conditional_applies or self._target(True) is None:
@@ -1314,9 +1318,11 @@ class NoisyChannel(PolarRule, Channel):
     def _conditional(self, y, omega, V, Vinv, target):
         """The conditional rule at ``conditional``'s ``scale`` and ``nodes`` (both × ``nodes`` /
         DEFAULT_NODES[2]), its estimate the difference to the rule at scale / 1.5 and nodes − 2;
-        samples above ``target`` get scale × 1.5 and nodes + 2 (the previous rule as the
-        coarse one), up to ``rounds`` times.  Returns (log_z, E[Z], Cov[Z], error)."""
+        samples above ``target`` (``conditional``'s ``escalate`` where given) get scale × 1.5 and
+        nodes + 2 (the previous rule as the coarse one), up to ``rounds`` times.  Returns (log_z,
+        E[Z], Cov[Z], error)."""
         c, ref = self.conditional, omega.reshape(len(omega), -1)
+        target = c["escalate"] or target
         f = (self.nodes or DEFAULT_NODES[2]) / DEFAULT_NODES[2]
         scale, nodes = c["scale"] * f, max(3, round(c["nodes"] * f))
         coarse, fine = (self._conditional_run(y, omega, V, *lv) for lv in ((scale / 1.5, nodes - 2),

@@ -1595,6 +1595,8 @@ def test_bad_input_t3_inconsistent_output():
     (dict(noise=0.1, conditional=dict(rounds=-1)), "conditional"),
     (dict(noise=0.1, conditional=dict(sd=float("nan"))), "conditional"),
     (dict(noise=0.1, conditional=dict(points=4)), "conditional"),
+    (dict(noise=0.1, conditional=dict(escalate=0.0)), "conditional"),
+    (dict(noise=0.1, conditional=dict(scale="2")), "conditional"),
 ])
 def test_bad_channel_options(options, match):
     with pytest.raises(ValueError, match=match):
