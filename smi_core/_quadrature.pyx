@@ -24,9 +24,11 @@ Genz–Malik box (``_region``, ``_values``); both share the terms' log weights
 ``integrate_adaptive`` (Genz–Malik on every piece, to a tolerance; route 1 also on the prior's
 piece alone from boxes refined onto the likelihood's ridge, ``_ridge_boxes``), ``integrate_polar``
 (route 0, T = 2, x = h_{<L}: polar coordinates about the meeting point of the softmax cliffs,
-nodes shared by groups of samples) and ``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3:
-Genz–Malik in (t = |h_1|², θ), and for L = 3 also (t_2, θ_2) of u_2 = Φ⁽¹⁾h_2, from boxes the
-caller chose; the same ``_region``, in polar mode).
+nodes shared by groups of samples), ``integrate_nodes`` (a product rule given by its rows and
+Gauss–Hermite nodes, by the fixed rule's tiles: the noisy route's conditional rule) and
+``integrate_polar_adaptive`` (route 0, T = 2, L = 2 or 3: Genz–Malik in (t = |h_1|², θ), and
+for L = 3 also (t_2, θ_2) of u_2 = Φ⁽¹⁾h_2, from boxes the caller chose; the same ``_region``,
+in polar mode).
 """
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
@@ -610,7 +612,8 @@ cdef extern from *:
 
     /* The rows of a tile's buffer (SMI_TILE doubles each): the data (n_data rows, filled by the
        caller), X (Z of the first term, RT rows), LQ (the pieces' lq, M rows), KO (kernel outputs,
-       n_out rows), LB, INV, LMX, OK, LF (nt rows), WC (nt rows), ZC (RT rows of nt SMI_TILE). */
+       n_out rows), LB, INV, LMX, OK, LF and WC (2 rows each: one per term, nt ≤ 2), ZC (RT rows of
+       nt SMI_TILE). */
     typedef struct { double *X, *LQ, *KO, *LB, *INV, *LMX, *OK, *LF, *WC, *ZC; } smi_tile_rows;
     static smi_tile_rows smi_tile_layout(double* buf, int n_data, int RT, int M, int n_out) {
         smi_tile_rows b;
