@@ -1236,25 +1236,25 @@ def integrate_nodes(int route, capsule, const double[::1] params, const double[:
                     const double[::1] lw, int R, int T, int n_node, double delta, double[::1] log_z,
                     double[:, ::1] mean, double[:, :, ::1] second, int threads=0):
     """A product rule: sample i sums Σ_j Σ_k e^{c_j + lw_k} f(x_jk) over its rows j (ptr[i] ≤ j <
-    ptr[i+1] of ``rows``: [a_j (d - e), b_j (e), σ_j, c_j]) and the rule's nodes ξ_k (rows of
-    ``xi``, e = its width) with x_jk = [a_j; b_j + σ_j ξ_k]; f and the kernel ``capsule`` as
+    ptr[i+1] of ``rows``: [a_j (d - e), b_j (e), σ_j, c_j]) and the rule's nodes ξ_k (columns of
+    ``xi``, e = its rows) with x_jk = [a_j; b_j + σ_j ξ_k]; f and the kernel ``capsule`` as
     ``integrate``'s (route 1: x = Z, d = R T; route 0: d = (R - 1) T), tile by tile
     (``smi_tile_sums``; tiles below e^-SMI_SKIP of the running maximum left out).  Returns
     log Σ, E[Z - ω] and E[(Z - ω)(Z - ω)ᵀ], as ``integrate_polar``."""
     cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
     cdef Py_ssize_t n = omega.shape[0], i
-    cdef int e = xi.shape[1], d = rows.shape[1] - 2, n_data = data.shape[1]
+    cdef int e = xi.shape[0], d = rows.shape[1] - 2, n_data = data.shape[1]
     if threads <= 0:
         threads = omp_get_max_threads()
     if not (omega.shape[1] == R * T and d == (R * T if route == 1 else (R - 1) * T) and 0 < e <= d
-            and lw.shape[0] == xi.shape[0] and ptr.shape[0] == n + 1 and ptr[n] <= rows.shape[0]
+            and lw.shape[0] == xi.shape[1] and ptr.shape[0] == n + 1 and ptr[n] <= rows.shape[0]
             and data.shape[0] == n and log_z.shape[0] == n):
         raise ValueError("integrate_nodes needs rows of d + 2 values (route 1: d = R T; 0: (R - 1) T), "
-                         "a rule of at most d columns with one log weight per node, and ptr of n + 1 offsets")
+                         "a rule of at most d rows with one log weight per node, and ptr of n + 1 offsets")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
             _nodes_sample(route, f, &params[0], &data[i, 0], n_data, &omega[i, 0], &Vinv[i, 0, 0],
-                          logdetV[i], &rows[0, 0], ptr[i], ptr[i + 1], d, &xi[0, 0], &lw[0], xi.shape[0], e,
+                          logdetV[i], &rows[0, 0], ptr[i], ptr[i + 1], d, &xi[0, 0], &lw[0], xi.shape[1], e,
                           R, T, n_node, delta, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
@@ -1265,9 +1265,12 @@ cdef void _nodes_sample(int route, cols_t f, const double* par, const double* da
                         double* second) noexcept nogil:
     """One sample of ``integrate_nodes``: the nodes of its rows j0:j1, row by row, by tiles."""
     cdef int RT = R * T, i, w = d + 2
-    cdef long K = 0, k
+    cdef long K = 0, k, c, t
     cdef Py_ssize_t j
     cdef const double* row
+    cdef const double* xc
+    cdef double* out
+    cdef double v, sg
     cdef Acc acc
     cdef double const0 = _const0(route, R, T, logdetV, n_node, delta), top
     cdef double* part
@@ -1276,15 +1279,24 @@ cdef void _nodes_sample(int route, cols_t f, const double* par, const double* da
     _acc_init(&acc, RT)
     for j in range(j0, j1):
         row = rows + j * w
-        for k in range(G):
-            for i in range(d - e):
-                b.X[i * SMI_TILE + K] = row[i]
-            for i in range(d - e, d):
-                b.X[i * SMI_TILE + K] = row[i] + row[d] * xi[k * e + i - d + e]
-            b.LB[K] = row[d + 1] + lw[k]
-            b.INV[K] = 1.0
-            K += 1
-            if K == SMI_TILE or (j == j1 - 1 and k == G - 1):
+        k = 0
+        while k < G:                            # the row's nodes k:k+c into the tile's columns K:K+c
+            c = min(G - k, SMI_TILE - K)
+            for i in range(d):
+                out, v, sg = b.X + i * SMI_TILE + K, row[i], row[d]
+                if i < d - e:
+                    for t in range(c):
+                        out[t] = v
+                else:
+                    xc = xi + (i - d + e) * G + k
+                    for t in range(c):
+                        out[t] = v + sg * xc[t]
+            for t in range(c):
+                b.LB[K + t] = row[d + 1] + lw[k + t]
+                b.INV[K + t] = 1.0
+            K += c
+            k += c
+            if K == SMI_TILE or (j == j1 - 1 and k == G):
                 top = smi_tile_sums(route, f, par, n_data if route == 0 else 0, n_node, data, delta, omega,
                                     Vinv, const0, R, T, d, 0, K, omega, acc.mx - SMI_SKIP, buf, part)
                 if top >= acc.mx - SMI_SKIP and top > -INFINITY:

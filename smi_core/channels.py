@@ -1346,8 +1346,8 @@ class NoisyChannel(PolarRule, Channel):
         n, RT = len(omega), self.R * self.T
         total = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
         t, wt = np.polynomial.hermite.hermgauss(count)
-        xi = np.stack(np.meshgrid(t, t, indexing="ij"), axis=-1).reshape(-1, 2)
-        lxi = np.log(np.outer(wt, wt) / np.pi).ravel() + (xi ** 2).sum(axis=1)
+        xi = np.stack(np.meshgrid(t, t, indexing="ij")).reshape(2, -1)          # the nodes by columns
+        lxi = np.log(np.outer(wt, wt) / np.pi).ravel() + (xi ** 2).sum(axis=0)
         Vinv, logdetV = np.linalg.inv(V), np.linalg.slogdet(V)[1]
         owner, x1, lw1 = self._ring_rows(omega, V, scale, reflect=True)
         near = ((x1 - omega[owner, 0]) ** 2).sum(axis=1) <= self._polar_params()["reach"] ** 2 * V[owner, 0, 0]

@@ -1468,7 +1468,7 @@ def test_integrate_nodes_against_numpy():
     delta, counts, mm = 0.1, [3, 7], Model(2, 2)
     ch = model(2).channel(noise=delta)
     rows = np.column_stack([rng.standard_normal((10, 4)), rng.uniform(0.1, 0.5, 10), rng.uniform(-300, 300, 10)])
-    xi, lw = rng.standard_normal((37, 2)), rng.uniform(-2.0, 0.0, 37)       # 37 nodes: tiles of 256 split rows
+    xi, lw = rng.standard_normal((2, 37)), rng.uniform(-2.0, 0.0, 37)       # 37 nodes: tiles of 256 split rows
     omega, y = rng.standard_normal((2, 4)), rng.uniform(0.1, 0.9, (2, 4))
     V = np.array([[[1.0, 0.3], [0.3, 0.5]], [[0.7, -0.2], [-0.2, 0.4]]])
     Vinv, ptr = np.linalg.inv(V), np.array([0, 3, 10])
@@ -1477,8 +1477,8 @@ def test_integrate_nodes_against_numpy():
                                 np.linalg.slogdet(V)[1], rows, ptr, xi, lw, 2, 2, 4, delta, *out)
     for i in range(2):
         r = rows[ptr[i]:ptr[i + 1]]
-        Z = np.concatenate([np.repeat(r[:, None, :2], len(xi), axis=1),
-                            r[:, None, 2:4] + r[:, None, 4:5] * xi[None]], axis=2).reshape(-1, 4)
+        Z = np.concatenate([np.repeat(r[:, None, :2], xi.shape[1], axis=1),
+                            r[:, None, 2:4] + r[:, None, 4:5] * xi.T[None]], axis=2).reshape(-1, 4)
         D = Z.reshape(-1, 2, 2) - omega[i].reshape(2, 2)
         g = mm.forward(Z.reshape(-1, 2, 2)).reshape(-1, 4)
         w = ((r[:, 5:6] + lw[None]).ravel() - 0.5 * np.einsum("kat,ab,kbt->k", D, Vinv[i], D)
