@@ -1238,32 +1238,32 @@ def integrate_nodes(int route, capsule, const double[::1] params, const double[:
     """A product rule: sample i sums Σ_j Σ_k e^{c_j + lw_k} f(x_jk) over its rows j (ptr[i] ≤ j <
     ptr[i+1] of ``rows``: [a_j (d - e), b_j (e), σ_j, c_j]) and the rule's nodes ξ_k (columns of
     ``xi``, e = its rows) with x_jk = [a_j; b_j + σ_j ξ_k]; f and the kernel ``capsule`` as
-    ``integrate``'s (route 1: x = Z, d = R T; route 0: d = (R - 1) T), tile by tile
-    (``smi_tile_sums``; tiles below e^-SMI_SKIP of the running maximum left out).  Returns
-    log Σ, E[Z - ω] and E[(Z - ω)(Z - ω)ᵀ], as ``integrate_polar``."""
+    ``integrate``'s route 1 (x = Z, d = R T: the noisy route), tile by tile (``smi_tile_sums``;
+    tiles below e^-SMI_SKIP of the running maximum left out).  Returns log Σ, E[Z - ω] and
+    E[(Z - ω)(Z - ω)ᵀ], as ``integrate_polar``."""
     cdef cols_t f = <cols_t> PyCapsule_GetPointer(capsule, "smi_kernel_cols")
     cdef Py_ssize_t n = omega.shape[0], i
-    cdef int e = xi.shape[0], d = rows.shape[1] - 2, n_data = data.shape[1]
+    cdef int e = xi.shape[0], d = rows.shape[1] - 2
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not (omega.shape[1] == R * T and d == (R * T if route == 1 else (R - 1) * T) and 0 < e <= d
+    if not (route == 1 and omega.shape[1] == R * T and d == R * T and 0 < e <= d
             and lw.shape[0] == xi.shape[1] and ptr.shape[0] == n + 1 and ptr[n] <= rows.shape[0]
             and data.shape[0] == n and log_z.shape[0] == n):
-        raise ValueError("integrate_nodes needs rows of d + 2 values (route 1: d = R T; 0: (R - 1) T), "
-                         "a rule of at most d rows with one log weight per node, and ptr of n + 1 offsets")
+        raise ValueError("integrate_nodes needs route 1, rows of R T + 2 values, a rule of at most R T rows "
+                         "with one log weight per node, and ptr of n + 1 offsets")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="dynamic"):
-            _nodes_sample(route, f, &params[0], &data[i, 0], n_data, &omega[i, 0], &Vinv[i, 0, 0],
+            _nodes_sample(f, &params[0], &data[i, 0], &omega[i, 0], &Vinv[i, 0, 0],
                           logdetV[i], &rows[0, 0], ptr[i], ptr[i + 1], d, &xi[0, 0], &lw[0], xi.shape[1], e,
                           R, T, n_node, delta, &log_z[i], &mean[i, 0], &second[i, 0, 0])
 
 
-cdef void _nodes_sample(int route, cols_t f, const double* par, const double* data, int n_data,
+cdef void _nodes_sample(cols_t f, const double* par, const double* data,
                         const double* omega, const double* Vinv, double logdetV, const double* rows,
                         Py_ssize_t j0, Py_ssize_t j1, int d, const double* xi, const double* lw, long G,
                         int e, int R, int T, int n_node, double delta, double* log_z, double* mean,
                         double* second) noexcept nogil:
-    """One sample of ``integrate_nodes``: the nodes of its rows j0:j1, row by row, by tiles."""
+    """One sample of ``integrate_nodes`` (route 1): the nodes of its rows j0:j1, row by row, by tiles."""
     cdef int RT = R * T, i, w = d + 2
     cdef long K = 0, k, c, t
     cdef Py_ssize_t j
@@ -1272,10 +1272,10 @@ cdef void _nodes_sample(int route, cols_t f, const double* par, const double* da
     cdef double* out
     cdef double v, sg
     cdef Acc acc
-    cdef double const0 = _const0(route, R, T, logdetV, n_node, delta), top
+    cdef double const0 = _const0(1, R, T, logdetV, n_node, delta), top
     cdef double* part
-    cdef double* buf = _tile_buffer(route, n_data, data, RT, 0, n_node, &part)
-    cdef smi_tile_rows b = smi_tile_layout(buf, n_data if route == 0 else 0, RT, 0, n_node)
+    cdef double* buf = _tile_buffer(1, 0, data, RT, 0, n_node, &part)
+    cdef smi_tile_rows b = smi_tile_layout(buf, 0, RT, 0, n_node)
     _acc_init(&acc, RT)
     for j in range(j0, j1):
         row = rows + j * w
@@ -1297,8 +1297,8 @@ cdef void _nodes_sample(int route, cols_t f, const double* par, const double* da
             K += c
             k += c
             if K == SMI_TILE or (j == j1 - 1 and k == G):
-                top = smi_tile_sums(route, f, par, n_data if route == 0 else 0, n_node, data, delta, omega,
-                                    Vinv, const0, R, T, d, 0, K, omega, acc.mx - SMI_SKIP, buf, part)
+                top = smi_tile_sums(1, f, par, 0, n_node, data, delta, omega, Vinv, const0, R, T, d, 0, K,
+                                    omega, acc.mx - SMI_SKIP, buf, part)
                 if top >= acc.mx - SMI_SKIP and top > -INFINITY:
                     _add_sums(&acc, top, part)
                 K = 0
