@@ -409,8 +409,13 @@ def _no_mixing(k):
 
 def _given_h1(x1, omega, V):
     """h_2 | h_1 = x_1 ~ N(m, s² I) per row (ω, V of its sample): m = ω_2 + V₂₁/V₁₁ (x_1 − ω_1),
-    s² = V₂₂ − V₂₁²/V₁₁."""
-    return omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0]), V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
+    s² (``_h2_var``)."""
+    return omega[:, 1] + (V[:, 1, 0] / V[:, 0, 0])[:, None] * (x1 - omega[:, 0]), _h2_var(V)
+
+
+def _h2_var(V):
+    """The variance of h_2 given h_1, s² = V₂₂ − V₂₁²/V₁₁ (per V)."""
+    return V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0]
 
 
 def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
@@ -1313,7 +1318,7 @@ class NoisyChannel(PolarRule, Channel):
         conditional rule ≈ 1e-6)."""
         if not self._conditional_applies or self._target(True) is None:
             return np.zeros(len(V), dtype=bool)
-        return V[:, 1, 1] - V[:, 1, 0] ** 2 / V[:, 0, 0] <= self.conditional["sd"] ** 2
+        return _h2_var(V) <= self.conditional["sd"] ** 2
 
     def _conditional(self, y, omega, V, Vinv, target):
         """The conditional rule at ``conditional``'s ``scale`` and ``nodes`` (both × ``nodes`` /

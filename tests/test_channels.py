@@ -1465,7 +1465,7 @@ def test_integrate_nodes_against_numpy():
     running maximum), in tiles that end inside a row."""
     from smi_core import _quadrature
     rng = np.random.default_rng(1)
-    delta, counts, mm = 0.1, [3, 7], Model(2, 2)
+    delta, mm = 0.1, Model(2, 2)
     ch = model(2).channel(noise=delta)
     rows = np.column_stack([rng.standard_normal((10, 4)), rng.uniform(0.1, 0.5, 10), rng.uniform(-300, 300, 10)])
     xi, lw = rng.standard_normal((2, 37)), rng.uniform(-2.0, 0.0, 37)       # 37 nodes: tiles of 256 split rows
