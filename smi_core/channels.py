@@ -672,7 +672,7 @@ class ReparamChannel(PolarRule, Channel):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
-        it are integrated again by the adaptive rule (``_pinned``; T = 3: the Laplace rule,
+        it are integrated again by the adaptive rule to it (``_pinned``; T = 3: the Laplace rule,
         ``_laplace``), kept where its estimate is lower (T = 3: the estimate taken no lower than
         the two rules' difference; at q = diag(0, 0.99) the Laplace rule's adaptive cubature was
         once kept 29 off while estimating 1.4e-4).  L = 3 with ``tol``: samples above
@@ -684,8 +684,10 @@ class ReparamChannel(PolarRule, Channel):
             target = max(target, self.PINNED3["floor"])
         redo = np.flatnonzero(error > target) if target is not None else []
         if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
-            rule = (self._pinned if self.T == 2 else self._laplace) if self.model.layers == 2 else partial(
-                self._pinned3, ref=mean[redo], shift=log_z[redo])
+            if self.model.layers == 3:
+                rule = partial(self._pinned3, ref=mean[redo], shift=log_z[redo])
+            else:
+                rule = partial(self._pinned, tol=target) if self.T == 2 else self._laplace
             better = rule(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
             if self.T == 3:     # the Laplace rule's estimate can miss mass: no lower than the rules' difference
                 differ = self._differ(omega[redo], V[redo], Vinv[redo], (log_z[redo], mean[redo], cov[redo]), better)
@@ -715,7 +717,7 @@ class ReparamChannel(PolarRule, Channel):
         return (*better[:3], np.maximum(better[3] / cross, differ))
 
     # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
-    PINNED = dict(escalate=1e-5, tol=1e-5, grid=(8, 8), reach=8.0, max_regions=20000, depth=40, floor=30.0,
+    PINNED = dict(escalate=1e-5, grid=(8, 8), reach=8.0, max_regions=20000, depth=40, floor=30.0,
                   cross=1e-2, cross_regions=200000)
 
     def _pinned_starts(self, u, omega, V):
@@ -817,18 +819,16 @@ class ReparamChannel(PolarRule, Channel):
             start.append(start[-1] + len(rows[-1]))
         return np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64)
 
-    def _pinned(self, y, omega, V, Vinv, logdetV, tol=None, max_regions=None):
+    def _pinned(self, y, omega, V, Vinv, logdetV, tol, max_regions=None):
         """Adaptive Genz–Malik cubature over h_1 in coordinates (t = |h_1|², θ), where the prior
         is smooth (dh_1 = ½ dt dθ) and the softmax cliffs are lines θ = const
         (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
-        (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; default:
-        the channel's, else PINNED["tol"]) in κ Σ|I7 - I5| / mass of the moments whitened by V's
-        Cholesky factor, κ (``_amp``) from the running sums: that bounds the metric of
+        (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; from
+        ``_polar``, its escalation's target: ``tol``, else ``escalate``) in κ Σ|I7 - I5| / mass
+        of the moments whitened by V's Cholesky factor, κ (``_amp``) from the running sums: that bounds the metric of
         (g_out, dg_out), and is the error estimate (without κ, on 48 state-evolution draws at
         q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
         n = len(omega)
-        if tol is None:
-            tol = self.tol or self.PINNED["tol"]
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
         peaks, cov, logf, signs = self._pinned_peaks(u, omega, V, Vinv, logdetV)
         tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
