@@ -117,9 +117,9 @@ class PolarRule:
         """Error tolerance of the escalation (None: no escalation)."""
         return self.tol
 
-    def _polar_escalation(self, Vinv):
+    def _polar_escalation(self, Vinv, error):
         """The escalation of ``_polar``: the target (None, a number or one per sample) and the
-        number of rounds, given each sample's V⁻¹."""
+        number of rounds, given each sample's V⁻¹ and estimate."""
         return self._polar_target(), 3
 
     def _polar_groups(self, omega, V):
@@ -288,12 +288,16 @@ class PolarRule:
         return log_z, mean, second
 
     def _polar(self, y, omega, V, Vinv, logdetV):
+        """``_polar_refined`` without the target: (log_z, E[Z], Cov[Z], error)."""
+        return self._polar_refined(y, omega, V, Vinv, logdetV)[:4]
+
+    def _polar_refined(self, y, omega, V, Vinv, logdetV):
         """The polar rule at ``nodes`` (scaled by ``_polar_scale``).  Error: the difference to
         the rule with counts / 1.5; with a target (``tol``; ``_polar_escalation``), counts grow by
         1.5 (the previous rule as the coarse one) up to three times (or the rounds it gives) while
         the estimate is above it (and, where
         ``_polar_stall`` is set, fell in the last round below that fraction of its previous value).  Returns
-        (log_z, E[Z], Cov[Z], error)."""
+        (log_z, E[Z], Cov[Z], error, the target: None, a number or one per sample)."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._polar_input(y))
         ref = np.ascontiguousarray(omega.reshape(n, RT))
@@ -303,7 +307,7 @@ class PolarRule:
         if self.error_estimate:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
-        target, rounds = self._polar_escalation(Vinv)
+        target, rounds = self._polar_escalation(Vinv, error)
         if target is not None:      # _polar_stall: samples not converging are left to the caller
             scales = _growing(scale, 1.5, rounds)
             refine(fine, error, target, rounds, lambda i, k: self._polar_run(
@@ -311,7 +315,7 @@ class PolarRule:
                 lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]), self._polar_stall)
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
-        return log_z, mean, cov, error
+        return log_z, mean, cov, error, target
 
 
 def refine(fine, error, target, rounds, finer, spread, stall=None):

@@ -567,6 +567,28 @@ def _check_l2_default(y, omega, V):
     assert m.error[0] <= model(2).channel().PINNED["escalate"]
 
 
+def test_reparam_l2_pinned_escalation_refines_past_the_threshold():
+    """Two layers, the last layer pinned (q = diag(0, 0.999)): the samples whose polar estimate
+    is above ``escalate`` are refined to ESCALATION["refine"] × it (eight finer polar rounds,
+    then the adaptive rule), the others kept.  On these 24 draws (all above ``escalate``),
+    against the channel at tol = 1e-8: the default within 1e-6 (measured 2.5e-8; three rounds
+    to ``escalate`` itself, the rule before 2026-11-28, 1.1e-7) with every refined sample's
+    estimate at most 1e-6 (measured 7.3e-7), which the rule before leaves above 1e-6 on 20 of
+    them (up to 1.0e-5)."""
+    y, omega, V = se_batch(2, 24, np.diag([0.0, 0.999]), np.random.default_rng(5))
+    exact = model(2).channel(tol=1e-8).moments(y, omega, V)
+    ch = model(2).channel()
+    before = ch._polar_refined(y, omega, np.broadcast_to(V, (24, 2, 2)).copy(),
+                               np.broadcast_to(np.linalg.inv(V), (24, 2, 2)).copy(),
+                               np.full(24, np.linalg.slogdet(V)[1]))
+    m = ch.moments(y, omega, V)
+    flagged = np.isfinite(before[4])
+    assert flagged.any() and (m.error[flagged] <= 1e-6).all(), m.error[flagged]
+    assert max(ref.metric(m.g_out[i], m.dg_out[i], exact.g_out[i], exact.dg_out[i]) for i in range(24)) <= 1e-6
+    old = model(2).channel(escalation=dict(rounds=3, refine=1.0)).moments(y, omega, V)
+    assert old.error.max() > 1e-6
+
+
 def test_reparam_l2_pinned_last_layer():
     """The last layer pinned (V₂₂ = 1e-3) while h_1 is broad: the posterior over h_1 is a narrow
     peak on a ridge.  The default polar rule was off by 39 here (its estimate 0.63); the
@@ -1216,9 +1238,10 @@ def test_reparam_l3_narrow_polar_rule_escalates_by_default():
     3.2e-2), with it 6.5e-6 (measured against the reference at n = 6)."""
     ch = model(3).channel()
     prec = np.array([[40.0, 40.0, 40.0], [40.0, 40.0, 1000.0], [10.0, 10.0, 10.0]])   # narrow; pinned; q = 0.9·I
-    target, rounds = ch._polar_escalation(prec[:, :, None] * np.eye(3))
+    error = np.full(3, 1.0)
+    target, rounds = ch._polar_escalation(prec[:, :, None] * np.eye(3), error)
     assert rounds == 1 and target[0] == ch.POLAR3_ESCALATE and (target[1:] == np.inf).all()
-    assert model(3).channel(tol=1e-3)._polar_escalation(prec[:, :, None] * np.eye(3)) == (1e-3, 3)
+    assert model(3).channel(tol=1e-3)._polar_escalation(prec[:, :, None] * np.eye(3), error) == (1e-3, 3)
     without = model(3).channel()
     without.POLAR3_ESCALATE = np.inf
     expected = ref.reparam_l3(EDGE_L3.y, EDGE_L3.omega, EDGE_L3.V, n=5)
@@ -1597,6 +1620,9 @@ def test_bad_input_t3_inconsistent_output():
     (dict(noise=0.1, conditional=dict(points=4)), "conditional"),
     (dict(noise=0.1, conditional=dict(escalate=0.0)), "conditional"),
     (dict(noise=0.1, conditional=dict(scale="2")), "conditional"),
+    (dict(escalation=dict(rounds=-1)), "escalation"), (dict(escalation=dict(rounds=2.5)), "escalation"),
+    (dict(escalation=dict(refine=0.0)), "escalation"), (dict(escalation=dict(refine=2.0)), "escalation"),
+    (dict(escalation=dict(refine=float("nan"))), "escalation"), (dict(escalation=dict(nodes=8)), "escalation"),
 ])
 def test_bad_channel_options(options, match):
     with pytest.raises(ValueError, match=match):

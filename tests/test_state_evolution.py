@@ -410,13 +410,17 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     noiseless (the adaptive rule for pinned samples), noisy below the noisy route's
     POLAR_MIN_NOISE (finer rings of h_1) and at Δ ≥ 1e-3 (the conditional rule, at SE's cheaper
     CONDITIONAL unless the options give ``tol`` or ``conditional``); it escalates from SE's
-    ESCALATE, not from the channel's default."""
-    from smi_core.channels import NoisyChannel
-    from smi_core.state_evolution import CONDITIONAL, ESCALATE, _channel
+    ESCALATE, not from the channel's default, and noiseless by SE's ESCALATION (three rounds to
+    ESCALATE itself) unless the options give ``tol``."""
+    from smi_core.channels import NoisyChannel, ReparamChannel
+    from smi_core.state_evolution import CONDITIONAL, ESCALATE, ESCALATION, _channel
     model = DeepAttention(layers=2, tokens=2)
     channel = _channel(model, noise, None)
     assert channel.escalates and channel.error_estimate and channel.escalate == ESCALATE
-    if noise is not None:
+    if noise is None:
+        assert channel.escalation == ESCALATION
+        assert _channel(model, noise, {"tol": 1e-6}).escalation == ReparamChannel.ESCALATION
+    else:
         assert channel.conditional == {**NoisyChannel.CONDITIONAL, **CONDITIONAL}
         assert _channel(model, noise, {"tol": 1e-6}).conditional == NoisyChannel.CONDITIONAL
 
