@@ -692,8 +692,9 @@ class ReparamChannel(PolarRule, Channel):
     def _polar(self, y, omega, V, Vinv, logdetV):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
-        L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above
-        it are integrated again by the adaptive rule to it (``_pinned``; T = 3: the Laplace rule,
+        L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above the
+        escalation's target (T = 2: ``escalation["refine"]`` × it after its rounds) are
+        integrated again by the adaptive rule to it (``_pinned``; T = 3: the Laplace rule,
         ``_laplace``), kept where its estimate is lower (T = 3: the estimate taken no lower than
         the two rules' difference; at q = diag(0, 0.99) the Laplace rule's adaptive cubature was
         once kept 29 off while estimating 1.4e-4).  L = 3 with ``tol``: samples above
@@ -845,8 +846,9 @@ class ReparamChannel(PolarRule, Channel):
         is smooth (dh_1 = ½ dt dθ) and the softmax cliffs are lines θ = const
         (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
         (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; from
-        ``_polar``, its escalation's target: ``tol``, else ``escalate``) in κ Σ|I7 - I5| / mass
-        of the moments whitened by V's Cholesky factor, κ (``_amp``) from the running sums: that bounds the metric of
+        ``_polar``, its escalation's target: ``escalation["refine"]`` × ``tol``, else × ``escalate``)
+        in κ Σ|I7 - I5| / mass of the moments whitened by V's Cholesky factor, κ (``_amp``) from
+        the running sums: that bounds the metric of
         (g_out, dg_out), and is the error estimate (without κ, on 48 state-evolution draws at
         q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
         n = len(omega)

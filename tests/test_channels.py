@@ -559,7 +559,7 @@ def test_reparam_l3_default_polar_rule(q):
 
 def _check_l2_default(y, omega, V):
     """The default two-layer channel within RTOL of the reference, its estimate within
-    PINNED["escalate"] (the adaptive rule's target by default)."""
+    PINNED["escalate"] (samples above it are refined below a tenth of it)."""
     r = ref.reparam_l2(y, omega, V)
     m = model(2).channel().moments(y[None], omega[None], V)
     assert r.error <= REF_TOL
