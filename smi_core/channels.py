@@ -500,8 +500,8 @@ class ReparamChannel(PolarRule, Channel):
     def __init__(self, model, escalate: float | None = None, escalation: dict | None = None, **options):
         """``escalate``: the estimate above which a sample gets finer rules (``tol`` when given;
         default PINNED["escalate"] for L = 2, LAPLACE3_ESCALATE for L = 3, where only the
-        Laplace rule escalates).  ``escalation``: entries of ESCALATION to change (two layers,
-        T = 2; e.g. state evolution's, ``state_evolution.ESCALATION``)."""
+        Laplace rule escalates).  ``escalation``: entries of ESCALATION[T] to change (two
+        layers; e.g. state evolution's, ``state_evolution.ESCALATION``)."""
         spec = model.spec
         if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
             raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
@@ -509,7 +509,7 @@ class ReparamChannel(PolarRule, Channel):
         super().__init__(model, **options)
         default = self.LAPLACE3_ESCALATE if model.layers == 3 else self.PINNED["escalate"]
         self.escalate = default if escalate is None else validate.positive("escalate", escalate)
-        self.escalation = _settings("escalation", self.ESCALATION, escalation)
+        self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
         self._u_model = _shallow(model, self.threads, 1)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node")
@@ -610,16 +610,19 @@ class ReparamChannel(PolarRule, Channel):
     # 2.9e-7 / 2.4e-7 (against tol = 1e-8); now 0.30 / 1.1 / 0.54 ms, 5.8e-7 / 2.2e-7 / 1.1e-7:
     # the finer polar rules converge for most pinned samples, and cost less than the adaptive
     # rule.  Eight rounds to the target itself (256 other draws): 0.20 / 0.96 / 0.29 ms, but up
-    # to 2.4e-6 off.
-    ESCALATION = dict(rounds=8, refine=0.1)
+    # to 2.4e-6 off.  T = 3 (the spherical rule, then the Laplace rule): six rounds to the target
+    # itself.  With the last layer pinned three rounds left 37 of 64 draws at q = diag(0, 0.999)
+    # estimating above 1e-3, up to 9.9 off the 3-D reference; six rounds leave 2 (max 4.6e-3) at
+    # 14× the time, and on the six draws checked against the reference at n = 20 are within its
+    # bound plus 1.6e-5 (three rounds: 5.7e-4 … 9.9 off).  Seven rounds: 2.6× more again.
+    ESCALATION = {2: dict(rounds=8, refine=0.1), 3: dict(rounds=6, refine=1.0)}
 
     def _polar_escalation(self, Vinv, error):
-        """``tol`` (two layers: ``escalate`` by default), three rounds; two layers with T = 2:
-        the samples above it, ``escalation``'s rounds to its ``refine`` × it; three layers
-        without ``tol``: POLAR3_ESCALATE where the polar rule took over from the Laplace rule,
-        one round."""
+        """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
+        above it, ``escalation``'s rounds to its ``refine`` × it; three layers without ``tol``:
+        POLAR3_ESCALATE where the polar rule took over from the Laplace rule, one round."""
         target, rounds = super()._polar_escalation(Vinv, error)
-        if self.model.layers == 2 and self.T == 2:
+        if self.model.layers == 2:
             if target is not None:
                 target = np.where(error > target, target * self.escalation["refine"], np.inf)
             return target, self.escalation["rounds"]
@@ -693,7 +696,7 @@ class ReparamChannel(PolarRule, Channel):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above the
-        escalation's target (T = 2: ``escalation["refine"]`` × it after its rounds) are
+        escalation's target (``escalation["refine"]`` × it after its rounds) are
         integrated again by the adaptive rule to it (``_pinned``; T = 3: the Laplace rule,
         ``_laplace``), kept where its estimate is lower (T = 3: the estimate taken no lower than
         the two rules' difference; at q = diag(0, 0.99) the Laplace rule's adaptive cubature was

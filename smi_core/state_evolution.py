@@ -67,12 +67,14 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0])   # the noi
                               # time, estimates above FLAG[0] on ≤ 0.2 % of the samples (no rounds:
                               # 4.4e-4, up to 18 %); the Laplace rule alone puts q̂₁₁ 2–9 % off there
 ESCALATION = dict(rounds=3, refine=1.0)   # SE's two-layer escalation (``ReparamChannel.ESCALATION``):
-                              # three finer polar rounds, then the adaptive rule, to ESCALATE itself.
-                              # The channel's default (eight rounds to a tenth of the target) leaves
-                              # the same q̂ (≤ 4e-7 from the tol = 1e-7 channel, 1 024 draws per q from
-                              # diag(0, 0.92) to diag(0.95, 0.9995)) but took the two-layer curve
-                              # (1 024 draws) from 28.6 to 36–38 s: SE's pinned samples reach the
-                              # adaptive rule sooner and at a looser target
+                              # three finer polar rounds, then the adaptive rule (T = 3: the Laplace
+                              # rule), to ESCALATE itself.  T = 2: the channel's default (eight rounds
+                              # to a tenth of the target) leaves the same q̂ (≤ 4e-7 from the
+                              # tol = 1e-7 channel, 1 024 draws per q from diag(0, 0.92) to
+                              # diag(0.95, 0.9995)) but took the two-layer curve (1 024 draws) from
+                              # 28.6 to 36–38 s: SE's pinned samples reach the adaptive rule sooner
+                              # and at a looser target.  T = 3: the channel's six rounds cost 14× per
+                              # sample at q = diag(0, 0.999) (64 draws)
 RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 NEWTON_REACH = 1e-2           # a failed convergence check takes its Newton step when it is this short
 

@@ -419,7 +419,7 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     assert channel.escalates and channel.error_estimate and channel.escalate == ESCALATE
     if noise is None:
         assert channel.escalation == ESCALATION
-        assert _channel(model, noise, {"tol": 1e-6}).escalation == ReparamChannel.ESCALATION
+        assert _channel(model, noise, {"tol": 1e-6}).escalation == ReparamChannel.ESCALATION[2]
     else:
         assert channel.conditional == {**NoisyChannel.CONDITIONAL, **CONDITIONAL}
         assert _channel(model, noise, {"tol": 1e-6}).conditional == NoisyChannel.CONDITIONAL
