@@ -501,7 +501,7 @@ class ReparamChannel(PolarRule, Channel):
         """``escalate``: the estimate above which a sample gets finer rules (``tol`` when given;
         default PINNED["escalate"] for L = 2, LAPLACE3_ESCALATE for L = 3, where only the
         Laplace rule escalates).  ``escalation``: entries of ESCALATION[T] to change (two
-        layers; e.g. state evolution's, ``state_evolution.ESCALATION``)."""
+        layers; e.g. state evolution's, ``state_evolution.ESCALATION[2]``)."""
         spec = model.spec
         if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
             raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "

@@ -66,15 +66,18 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0])   # the noi
                               # diag(0.82, 0.99), diag(0.1, 0.97) (α = 8, 16, 6) at 1/12–1/22 of its
                               # time, estimates above FLAG[0] on ≤ 0.2 % of the samples (no rounds:
                               # 4.4e-4, up to 18 %); the Laplace rule alone puts q̂₁₁ 2–9 % off there
-ESCALATION = dict(rounds=3, refine=1.0)   # SE's two-layer escalation (``ReparamChannel.ESCALATION``):
-                              # three finer polar rounds, then the adaptive rule (T = 3: the Laplace
-                              # rule), to ESCALATE itself.  T = 2: the channel's default (eight rounds
-                              # to a tenth of the target) leaves the same q̂ (≤ 4e-7 from the
-                              # tol = 1e-7 channel, 1 024 draws per q from diag(0, 0.92) to
-                              # diag(0.95, 0.9995)) but took the two-layer curve (1 024 draws) from
-                              # 28.6 to 36–38 s: SE's pinned samples reach the adaptive rule sooner
-                              # and at a looser target.  T = 3: the channel's six rounds cost 14× per
-                              # sample at q = diag(0, 0.999) (64 draws)
+ESCALATION = {2: dict(rounds=3, refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
+                              # T = 2: three finer polar rounds, then the adaptive rule, to ESCALATE
+                              # itself.  The channel's default (eight rounds to a tenth of the
+                              # target) leaves the same q̂ (≤ 4e-7 from the tol = 1e-7 channel,
+                              # 1 024 draws per q from diag(0, 0.92) to diag(0.95, 0.9995)) but took
+                              # the two-layer curve (1 024 draws) from 28.6 to 36–38 s: SE's pinned
+                              # samples reach the adaptive rule sooner and at a looser target.
+                              # T = 3 keeps the channel's six spherical rounds: with three, q̂₂₂ at
+                              # q = diag(0, 0.999) was 1446 ± 118 against 727 ± 41 (1 024 draws; 4
+                              # and 5 rounds 1309, 869), 45 % of the samples flagged, at 4.8 against
+                              # 38.9 s per step (one core); at diag(0, 0.99) and diag(0.3, 0.995)
+                              # the same q̂ to 2e-7 at 2.7 → 5.2 and 3.6 → 5.7 s
 RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 NEWTON_REACH = 1e-2           # a failed convergence check takes its Newton step when it is this short
 
@@ -390,7 +393,7 @@ def _channel(model, noise, options):
     it flags samples the rule does not resolve (``channel.unresolved``, R·T > 4:
     ``_Problem._flag`` warns), or when the options ask for it (``tol``, ``error_estimate``); SE
     escalates from ESCALATE, not from the channel's default, and noiseless two layers by
-    ESCALATION unless the options give ``tol`` or ``escalation``.  A channel already built is
+    ESCALATION (T = 2) unless the options give ``tol`` or ``escalation``.  A channel already built is
     used as it is."""
     if hasattr(options, "moments"):
         return options
@@ -407,8 +410,8 @@ def _channel(model, noise, options):
         channel.error_estimate = False      # it would only report, or escalate beyond what SE affords
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE
-    if hasattr(channel, "escalation") and not {"tol", "escalation"} & options.keys():
-        channel.escalation = dict(ESCALATION)
+    if hasattr(channel, "escalation") and channel.T in ESCALATION and not {"tol", "escalation"} & options.keys():
+        channel.escalation = dict(ESCALATION[channel.T])
     return channel
 
 

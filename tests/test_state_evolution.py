@@ -410,16 +410,17 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     noiseless (the adaptive rule for pinned samples), noisy below the noisy route's
     POLAR_MIN_NOISE (finer rings of h_1) and at Δ ≥ 1e-3 (the conditional rule, at SE's cheaper
     CONDITIONAL unless the options give ``tol`` or ``conditional``); it escalates from SE's
-    ESCALATE, not from the channel's default, and noiseless by SE's ESCALATION (three rounds to
-    ESCALATE itself) unless the options give ``tol``."""
+    ESCALATE, not from the channel's default, and noiseless by SE's ESCALATION (T = 2: three
+    rounds to ESCALATE itself; T = 3 the channel's six) unless the options give ``tol``."""
     from smi_core.channels import NoisyChannel, ReparamChannel
     from smi_core.state_evolution import CONDITIONAL, ESCALATE, ESCALATION, _channel
     model = DeepAttention(layers=2, tokens=2)
     channel = _channel(model, noise, None)
     assert channel.escalates and channel.error_estimate and channel.escalate == ESCALATE
     if noise is None:
-        assert channel.escalation == ESCALATION
+        assert channel.escalation == ESCALATION[2]
         assert _channel(model, noise, {"tol": 1e-6}).escalation == ReparamChannel.ESCALATION[2]
+        assert _channel(DeepAttention(layers=2, tokens=3), noise, None).escalation == ReparamChannel.ESCALATION[3]
     else:
         assert channel.conditional == {**NoisyChannel.CONDITIONAL, **CONDITIONAL}
         assert _channel(model, noise, {"tol": 1e-6}).conditional == NoisyChannel.CONDITIONAL
