@@ -77,7 +77,7 @@ ESCALATION = {2: dict(rounds=3, refine=1.0)}   # SE's two-layer escalation by T 
                               # q = diag(0, 0.999) was 1446 ± 118 against 727 ± 41 (1 024 draws; 4
                               # and 5 rounds 1309, 869), 45 % of the samples flagged, at 4.8 against
                               # 38.9 s per step (one core); at diag(0, 0.99) and diag(0.3, 0.995)
-                              # the same q̂ to 2e-7 at 2.7 → 5.2 and 3.6 → 5.7 s
+                              # the same q̂ to 2.2e-7 at 2.7 → 5.2 and 3.6 → 5.7 s
 RHO_CAP = 0.99                # the spectral radius of the map's Jacobian is capped here
 NEWTON_REACH = 1e-2           # a failed convergence check takes its Newton step when it is this short
 
