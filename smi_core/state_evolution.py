@@ -200,6 +200,18 @@ def _sqrtm(q: np.ndarray) -> np.ndarray:
     return _spectral(q, lambda w: np.sqrt(np.clip(w, 0, None)))
 
 
+def _inward(q: np.ndarray, E: np.ndarray, h: float) -> float:
+    """The step s = ±h along E with q + sE below (1 − V_MIN/2) I (+h first), h halved until
+    one sign is: an off-diagonal E raises one eigenvalue whichever the sign, so at q near
+    (1 − V_MIN) I both signs of a step ≥ V_MIN/2 would make V = I − q − sE singular."""
+    for _ in range(64):
+        for s in (h, -h):
+            if np.linalg.eigvalsh(q + s * E)[-1] <= 1 - V_MIN / 2:
+                return s
+        h *= 0.5
+    raise ValueError(f"q must have eigenvalues below 1 − {V_MIN / 2:g}")
+
+
 def _project(q: np.ndarray) -> np.ndarray:
     """Symmetrise and clip the eigenvalues into [0, 1 − V_MIN]."""
     q = _spectral(0.5 * (q + q.T), lambda w: np.clip(w, 0.0, 1 - V_MIN))
@@ -302,7 +314,7 @@ class _Problem:
     def jacobian(self, q: np.ndarray, alpha: float) -> np.ndarray:
         """J = ∂(u∘q̂)/∂q at q (u = ``update``) on the upper-triangle entries, by one-sided
         differences along each symmetric direction E_ab, step 1 % of √(V_aa V_bb) (within
-        [1e-6, 1e-3], inwards at the upper bound), on the same draws (common random numbers) but
+        [1e-6, 1e-3], inwards at the upper bound: ``_inward``), on the same draws (common random numbers) but
         only the first 1/8 of each block (at least 128: J needs ≈ 10 % accuracy, not q*'s); its
         spectral radius is capped at RHO_CAP.  R(R+1)/2 + 1 evaluations of the map on 1/8 of the
         draws."""
@@ -317,9 +329,7 @@ class _Problem:
             for k, (a, b) in enumerate(zip(rows, cols)):
                 E = np.zeros((R, R))
                 E[a, b] = E[b, a] = 1.0
-                h = float(np.clip(0.01 * np.sqrt(V[a] * V[b]), 1e-6, 1e-3))
-                if np.linalg.eigvalsh(q + h * E)[-1] > 1 - V_MIN:
-                    h = -h
+                h = _inward(q, E, float(np.clip(0.01 * np.sqrt(V[a] * V[b]), 1e-6, 1e-3)))
                 J[:, k] = (self.update(self.step(q + h * E, alpha)[0]) - u0)[rows, cols] / h
         finally:
             self.draws.use(per)

@@ -335,6 +335,20 @@ def test_se_step_near_q_equal_identity_with_rounding_asymmetry():
     assert np.isfinite(q_hat).all()
 
 
+def test_jacobian_steps_stay_inside_near_perfect_recovery():
+    """A two-layer T = 3 curve (α on np.arange(0.05, 0.75, 0.05), 1024 draws) stopped with 'V
+    must be symmetric positive definite' in the Newton check's Jacobian: at q ≈ (1 − V_MIN) I
+    the off-diagonal direction's step (at least 1e-6) makes V = I − q ∓ hE singular for either
+    sign, and negative definite where q's eigenvalues exceed 1 − V_MIN by rounding (as those
+    ``_project`` returns can, here by 1e-15).  There the step now shrinks to keep V positive
+    definite, and J is finite."""
+    from smi_core.state_evolution import V_MIN, _Problem
+    problem = _Problem(DeepAttention(layers=2, tokens=2), None, 0.0, 1024, "sobol", np.random.default_rng(0),
+                       {"error_estimate": False})
+    J = problem.jacobian((1 - V_MIN + 1e-15) * np.eye(2), 1.0)
+    assert J.shape == (3, 3) and np.isfinite(J).all()
+
+
 def test_an_output_without_a_float64_preimage_counts_as_zero(monkeypatch):
     """A draw of a long two-layer run (2¹⁸ draws, α = 0.95) gave both rows of y within 1.1e-8
     of ½ ± the same amount: u₁ ≈ u₂, whose pre-image u = ±(a, −b)/√(a + b) rounding has lost
