@@ -339,7 +339,7 @@ def test_jacobian_steps_stay_inside_near_perfect_recovery():
     """A two-layer T = 3 curve (α on np.arange(0.05, 0.75, 0.05), 1024 draws) stopped with 'V
     must be symmetric positive definite' in the Newton check's Jacobian: at q ≈ (1 − V_MIN) I
     the off-diagonal direction's step (at least 1e-6) makes V = I − q ∓ hE singular for either
-    sign, and negative definite where q's eigenvalues exceed 1 − V_MIN by rounding (as those
+    sign, and indefinite where q's eigenvalues exceed 1 − V_MIN by rounding (as those
     ``_project`` returns can, here by 1e-15).  There the step now shrinks to keep V positive
     definite, and J is finite."""
     from smi_core.state_evolution import V_MIN, _Problem
