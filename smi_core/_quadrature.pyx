@@ -651,13 +651,84 @@ cdef extern from *:
         return mx;
     }
 
+    /* Nodes x_k = c_m + A_m xi_k of partition piece m (xi_k's entry l at xi[k ks + l ls]) into X
+       (d rows of stride st), and their partition weights pi_m(x_k) = e^(lq_m - max_j lq_j) INV_k,
+       INV_k = 1 / sum_j e^(lq_j - max), lq_j = logh_j - (x - c_j)' H_j (x - c_j) / 2: the first
+       factor added to LB (log), INV apart.  LQ: M rows, LMX: one row (scratch). */
+    static void smi_place(int d, int M, int m, const double* centers, const double* A,
+                          const double* H, const double* logh, const double* xi, long ks, long ls,
+                          long K, long st, double* X, double* LQ, double* LB, double* INV,
+                          double* LMX) {
+        const double* c = centers + m * d;
+        const double* Am = A + m * d * d;
+        for (int i = 0; i < d; i++) {                   /* the nodes */
+            double* restrict Xi = X + i * st;
+            for (long k = 0; k < K; k++)
+                Xi[k] = c[i];
+            for (int l = 0; l <= i; l++) {
+                const double a = Am[i * d + l];
+                for (long k = 0; k < K; k++)
+                    Xi[k] += a * xi[k * ks + l * ls];
+            }
+        }
+        int active = 0;                                 /* the partition of unity */
+        for (int j = 0; j < M; j++)
+            active += logh[j] > -INFINITY;
+        for (long k = 0; k < K; k++) {
+            INV[k] = 1.0;
+            LMX[k] = -INFINITY;
+        }
+        if (active < 2)
+            return;
+        for (int j = 0; j < M; j++) {
+            if (!(logh[j] > -INFINITY))
+                continue;
+            double* restrict Q = LQ + j * st;
+            const double* cj = centers + j * d;
+            const double* Hj = H + j * d * d;
+            for (long k = 0; k < K; k++)
+                Q[k] = 0.0;
+            for (int i = 0; i < d; i++)
+                for (int l = 0; l < d; l++) {
+                    const double h = Hj[i * d + l], ci = cj[i], cl = cj[l];
+                    const double* restrict Xi = X + i * st;
+                    const double* restrict Xl = X + l * st;
+                    #pragma omp simd
+                    for (long k = 0; k < K; k++)
+                        Q[k] += (Xi[k] - ci) * h * (Xl[k] - cl);
+                }
+            const double lh = logh[j];
+            #pragma omp simd
+            for (long k = 0; k < K; k++) {
+                Q[k] = lh - 0.5 * Q[k];
+                LMX[k] = Q[k] > LMX[k] ? Q[k] : LMX[k];
+            }
+        }
+        for (long k = 0; k < K; k++)
+            INV[k] = 0.0;
+        for (int j = 0; j < M; j++) {
+            if (!(logh[j] > -INFINITY))
+                continue;
+            const double* restrict Q = LQ + j * st;
+            #pragma omp simd
+            for (long k = 0; k < K; k++)
+                INV[k] += smi_exp_neg(Q[k] - LMX[k]);
+        }
+        const double* restrict Qm = LQ + m * st;
+        #pragma omp simd
+        for (long k = 0; k < K; k++) {
+            LB[k] += Qm[k] - LMX[k];
+            INV[k] = 1.0 / INV[k];
+        }
+    }
+
     /* The Laplace rule (``integrate``) on K <= SMI_TILE nodes x_k = c_m + A_m xi_k of partition
        piece m of one sample, by rows of the tile (the loops over the nodes vectorise, and so
-       does the kernel's, by columns): the nodes; their partition weights pi_m(x_k), as the log
-       bound lb_k = lw_k + log|det A_m| + lq_m - max_j lq_j and the factor 1 / sum_j
-       e^(lq_j - max) (lq_j = logh_j - (x - c_j)' H_j (x - c_j) / 2); the kernel; the terms' log
-       weights lf and the tile's maximum mx of lb + lf.  Unless mx < floor, then the weights
-       e^(lb + lf - mx) / sum and out = [s0, s1, the upper triangle of s2 row by row] of Z - ref.
+       does the kernel's, by columns): the nodes and their partition weights (``smi_place``,
+       the log bound lb_k = lw_k + log|det A_m| + lq_m - max_j lq_j and the factor INV_k); the
+       kernel; the terms' log weights lf and the tile's maximum mx of lb + lf.  Unless mx < floor,
+       then the weights e^(lb + lf - mx) / sum and out = [s0, s1, the upper triangle of s2 row by
+       row] of Z - ref.
        Route 0: x = h_{<L} (d values), kernel (data, x) -> [h_L (T), log|det Phi|], two terms
        Z = [x; +-h_L] with lf = const0 - Q(Z)/2 - log|det Phi|; route 1: Z = x, kernel x -> g
        (n_out values), one term, lf = const0 - Q(Z)/2 - |data - g|^2 / (2 delta); Q(Z) =
@@ -672,69 +743,9 @@ cdef extern from *:
                                    double ldA, const double* xi, const double* lw, long K,
                                    const double* ref, double floor, double* buf, double* out) {
         const smi_tile_rows b = smi_tile_layout(buf, n_data, R * T, M, n_out);
-        double *X = b.X, *LQ = b.LQ, *LB = b.LB, *INV = b.INV, *LMX = b.LMX;
-        const double* c = centers + m * d;
-        const double* Am = A + m * d * d;
-        for (int i = 0; i < d; i++) {                   /* the nodes */
-            double* restrict Xi = X + i * SMI_TILE;
-            for (long k = 0; k < K; k++)
-                Xi[k] = c[i];
-            for (int l = 0; l <= i; l++) {
-                const double a = Am[i * d + l];
-                for (long k = 0; k < K; k++)
-                    Xi[k] += a * xi[k * d + l];
-            }
-        }
-        int active = 0;                                 /* the partition of unity */
-        for (int j = 0; j < M; j++)
-            active += logh[j] > -INFINITY;
-        for (long k = 0; k < K; k++) {
-            LB[k] = lw[k] + ldA;
-            INV[k] = 1.0;
-            LMX[k] = -INFINITY;
-        }
-        if (active > 1) {
-            for (int j = 0; j < M; j++) {
-                if (!(logh[j] > -INFINITY))
-                    continue;
-                double* restrict Q = LQ + j * SMI_TILE;
-                const double* cj = centers + j * d;
-                const double* Hj = H + j * d * d;
-                for (long k = 0; k < K; k++)
-                    Q[k] = 0.0;
-                for (int i = 0; i < d; i++)
-                    for (int l = 0; l < d; l++) {
-                        const double h = Hj[i * d + l], ci = cj[i], cl = cj[l];
-                        const double* restrict Xi = X + i * SMI_TILE;
-                        const double* restrict Xl = X + l * SMI_TILE;
-                        #pragma omp simd
-                        for (long k = 0; k < K; k++)
-                            Q[k] += (Xi[k] - ci) * h * (Xl[k] - cl);
-                    }
-                const double lh = logh[j];
-                #pragma omp simd
-                for (long k = 0; k < K; k++) {
-                    Q[k] = lh - 0.5 * Q[k];
-                    LMX[k] = Q[k] > LMX[k] ? Q[k] : LMX[k];
-                }
-            }
-            for (long k = 0; k < K; k++)
-                INV[k] = 0.0;
-            for (int j = 0; j < M; j++) {
-                if (!(logh[j] > -INFINITY))
-                    continue;
-                const double* restrict Q = LQ + j * SMI_TILE;
-                #pragma omp simd
-                for (long k = 0; k < K; k++)
-                    INV[k] += smi_exp_neg(Q[k] - LMX[k]);
-            }
-            const double* restrict Qm = LQ + m * SMI_TILE;
-            #pragma omp simd
-            for (long k = 0; k < K; k++) {
-                LB[k] += Qm[k] - LMX[k];
-                INV[k] = 1.0 / INV[k];
-            }
-        }
+        for (long k = 0; k < K; k++)
+            b.LB[k] = lw[k] + ldA;
+        smi_place(d, M, m, centers, A, H, logh, xi, d, 1, K, SMI_TILE, b.X, b.LQ, b.LB, b.INV, b.LMX);
         return smi_tile_sums(route, f, par, n_data, n_out, data, delta, omega, P, const0, R, T, d, M,
                              K, ref, floor, buf, out);
     }
@@ -774,6 +785,9 @@ cdef extern from *:
                             const double* logh, double ldA, const double* xi, const double* lw,
                             long K, const double* ref, double floor, double* buf,
                             double* out) noexcept nogil
+    void smi_place(int d, int M, int m, const double* centers, const double* A, const double* H,
+                   const double* logh, const double* xi, long ks, long ls, long K, long st, double* X,
+                   double* LQ, double* LB, double* INV, double* LMX) noexcept nogil
     ctypedef struct smi_tile_rows:
         double* X
         double* LB
@@ -795,15 +809,6 @@ cdef inline double _quad_v(const double* Z, const double* omega, const double* V
             da = Z[a * T + t] - omega[a * T + t]
             for b in range(R):
                 acc += da * Vinv[a * R + b] * (Z[b * T + t] - omega[b * T + t])
-    return acc
-
-
-cdef inline double _quad_h(const double* x, const double* c, const double* H, int d) noexcept nogil:
-    cdef int i, j
-    cdef double acc = 0.0
-    for i in range(d):
-        for j in range(d):
-            acc += (x[i] - c[i]) * H[i * d + j] * (x[j] - c[j])
     return acc
 
 
@@ -868,7 +873,7 @@ cdef inline void _add_sums(Acc* acc, double top, const double* part) noexcept no
 
 
 cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻¹) and partition of unity
-    int route, R, T, d, M, n_data, n_node, active, polar
+    int route, R, T, d, M, n_data, n_node, polar
     int nt             # terms per point: 2 (route 0: ±h_L), 2^L (polar: each earlier layer reflected too), 1
     long st            # points per column block (the Genz–Malik rule's count in d dimensions)
     cols_t f           # the kernel by columns
@@ -883,11 +888,12 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     const double* H
     const double* logh
     const double* ref
-    double* x          # one point (``_place``) and its ξ
-    double* xj
+    double* x          # one point (``_affine``)
     double* IN1        # polar mode, L = 3: f1's inputs and outputs by columns (4 and 3 rows)
     double* OUT1
-    double* lq
+    double* LQ         # the pieces' log weights by columns (M rows; ``smi_place``)
+    double* INV        # the points' partition factors, and scratch (``smi_place``)
+    double* LMX
     double* ldA        # log|det A_m| per piece
     double* buf        # the kernel's inputs by columns: route 0 [data rows; X], route 1 X
     double* X          # Z of the first term (RT rows; route 0: x, then h_L from the kernel)
@@ -925,19 +931,17 @@ cdef double* _site_init(Site* s, int route, cols_t f, const double* par, const d
     s.f, s.par, s.data, s.omega, s.Vinv, s.const0, s.delta = f, par, data, omega, Vinv, const0, delta
     s.centers, s.A, s.H, s.logh, s.ref = centers, A, H, logh, ref
     s.shift = -INFINITY
-    s.active = 0
     for i in range(M):
-        if logh[i] > -INFINITY:
-            s.active += 1
         if logh[i] > s.shift:
             s.shift = logh[i]
     s.nt, s.st = nt, st
-    work = <double*> malloc((2 * d + 2 * M + 1 + st * (n_data + RT + n_node + 2 + 8 * (RT + 4) + 1 + d + 2 + 7)
+    work = <double*> malloc((d + M + st * (M + 2 + n_data + RT + n_node + 2 + 8 * (RT + 4) + 1 + d + 2 + 7)
                              + 2 * n_sums) * sizeof(double))
     s.x = work
-    s.xj = s.x + d
-    s.lq = s.xj + d
-    s.ldA = s.lq + M + 1
+    s.LQ = s.x + d
+    s.INV = s.LQ + M * st
+    s.LMX = s.INV + st
+    s.ldA = s.LMX + st
     s.buf = s.ldA + M
     s.X = s.buf + n_data * st
     s.KO = s.X + RT * st
@@ -970,24 +974,6 @@ cdef inline void _affine(Site* s, int m, const double* xi) noexcept nogil:
         s.x[i] = s.centers[m * d + i]
         for l in range(i + 1):
             s.x[i] += s.A[(m * d + i) * d + l] * xi[l]
-
-
-cdef double _place(Site* s, int m, const double* xi) noexcept nogil:
-    """x = c_m + A_m ξ into s.x; returns log|det A_m| + log π_m(x) (the partition weight)."""
-    cdef int d = s.d, j
-    cdef double base = s.ldA[m], lmax, lse
-    _affine(s, m, xi)
-    if s.active > 1:
-        lmax = -INFINITY
-        for j in range(s.M):
-            s.lq[j] = s.logh[j] - 0.5 * _quad_h(s.x, s.centers + j * d, s.H + j * d * d, d) if s.logh[j] > -INFINITY else -INFINITY
-            if s.lq[j] > lmax:
-                lmax = s.lq[j]
-        lse = 0.0
-        for j in range(s.M):
-            lse += smi_exp_neg(s.lq[j] - lmax)
-        base += s.lq[m] - lmax - (log(lse) if lse > 1.0 + 1e-8 else lse - 1.0)   # (log(1 + ε) - ε < 5e-17)
-    return base
 
 
 cdef void _acc_init(Acc* acc, int RT) noexcept nogil:
@@ -1736,14 +1722,15 @@ cdef int _gm_points(int d, const double* c, const double* h, double* xi, long st
 cdef double _values(Site* s, int m, int np) noexcept nogil:
     """The integrand at the np points ξ_j of s.xi (piece m), by columns: s.WC[k·np + j] =
     e^(lb_j + lf_kj - mx), the weight of term k at point j.  The points x = c_m + A_m ξ and their
-    partition weights (``_place``); polar sites (``integrate_polar_adaptive``): ξ = (t, θ),
+    partition weights (``smi_place``); polar sites (``integrate_polar_adaptive``): ξ = (t, θ),
     x = √t (cos θ, sin θ), dx = ½ dt dθ; with d = 4 also ξ = (t_1, θ_1, t_2, θ_2), u_2 =
     √t_2 (cos θ_2, sin θ_2) and x = (h_1, Φ⁽¹⁾(h_1)⁻¹u_2), dx = ¼ dt_1 dθ_1 dt_2 dθ_2 / |det Φ⁽¹⁾|
     (``smi_polar_points``, ``smi_polar_layer2``).  The terms as ``smi_term_logs``, their Z in s.X
     with the signs of ``smi_sign``.  Returns mx, relative to s.shift (-inf if nothing is finite)."""
-    cdef int d = s.d, i, j
+    cdef int d = s.d, j
     cdef long st = s.st
     cdef double mx
+    cdef const double* inv = NULL
     if s.polar:
         smi_polar_points(d, np, st, s.xi, s.X, s.IN1, s.LB)
         if d == 4:
@@ -1753,16 +1740,14 @@ cdef double _values(Site* s, int m, int np) noexcept nogil:
             s.LB[j] -= s.shift
     else:
         for j in range(np):
-            for i in range(d):
-                s.xj[i] = s.xi[i * st + j]
-            s.LB[j] = _place(s, m, s.xj) - s.shift
-            for i in range(d):
-                s.X[i * st + j] = s.x[i]
+            s.LB[j] = s.ldA[m] - s.shift
+        smi_place(d, s.M, m, s.centers, s.A, s.H, s.logh, s.xi, 1, st, np, st, s.X, s.LQ, s.LB, s.INV, s.LMX)
+        inv = s.INV
     s.f(s.buf if s.route == 0 else s.X, st, s.par, s.KO, st, np)
     smi_last_layer(s.route, s.T, d, np, st, s.KO, s.X, s.OK)
     mx = smi_term_logs(s.route, s.nt, s.R, s.T, d, np, st, s.X, s.KO, s.OK, s.omega, s.Vinv, s.const0,
                        s.n_node, s.data, s.delta, s.LB, s.LF)
-    smi_weights(s.nt, np, st, mx if mx > -INFINITY else 0.0, NULL, s.LF, s.WC)
+    smi_weights(s.nt, np, st, mx if mx > -INFINITY else 0.0, inv, s.LF, s.WC)
     return mx
 
 
