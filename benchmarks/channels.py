@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import channel_reference as ref  # noqa: E402
 
 from smi_core import DeepAttention  # noqa: E402
-from smi_core.channels import DEFAULT_NODES, Channel, NoisyChannel  # noqa: E402
+from smi_core.channels import DEFAULT_NODES, Channel  # noqa: E402
+from smi_core.noisy_channel import NoisyChannel  # noqa: E402
 
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),

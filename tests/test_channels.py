@@ -38,7 +38,9 @@ import channel_reference as ref
 from reference import Model
 from smi_core import DeepAttention, LinkModel, index_symbols, register_link
 from smi_core import chart
-from smi_core.channels import Channel, NoisyChannel, ReparamChannel, _spread_of
+from smi_core.channels import Channel, _spread_of
+from smi_core.noisy_channel import NoisyChannel
+from smi_core.reparam_channel import ReparamChannel
 
 RTOL = 1e-6          # L = 1, 2, noisy
 RTOL_L3 = 1e-4       # L = 3
@@ -1016,7 +1018,6 @@ def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers,
     q, see the README; the batch's rule spans every |ω_ℓ|, so its radial and angle counts differ
     from a lone sample's), processing the groups in chunks changes nothing, and holding the nodes
     by pieces of 1000 (their moments merged by mass) changes them by rounding only."""
-    from smi_core.channels import ReparamChannel
     y, omega, V = se_batch(layers, n, 0.5 * np.eye(layers), np.random.default_rng(3))
     ch = model(layers).channel(error_estimate=False)
     Vn = np.broadcast_to(V, (n, layers, layers))
@@ -1230,7 +1231,6 @@ def test_reparam_l3_every_layer_narrow_takes_the_polar_rule():
     draws of the previous test, where the Laplace rule's default is 3.9e-5 and 4.6e-4 off; with
     the last layer pinned (q = diag(0.97, 0.97, 0.999)) the Laplace rule stays.  Where ρ ≥ 0.8
     the switch is hard (blend 0)."""
-    from smi_core.channels import ReparamChannel
     y, omega, V = se_batch(3, 64, 0.97 * np.eye(3), np.random.default_rng(7))
     ch = model(3).channel()
     assert (ch._polar_weight(omega[:2], np.broadcast_to(V, (2, 3, 3))) == 1).all()

@@ -426,7 +426,8 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     CONDITIONAL unless the options give ``tol`` or ``conditional``); it escalates from SE's
     ESCALATE, not from the channel's default, and noiseless by SE's ESCALATION (T = 2: three
     rounds to ESCALATE itself; T = 3 the channel's six) unless the options give ``tol``."""
-    from smi_core.channels import NoisyChannel, ReparamChannel
+    from smi_core.noisy_channel import NoisyChannel
+    from smi_core.reparam_channel import ReparamChannel
     from smi_core.state_evolution import CONDITIONAL, ESCALATE, ESCALATION, _channel
     model = DeepAttention(layers=2, tokens=2)
     channel = _channel(model, noise, None)
@@ -446,7 +447,7 @@ def test_se_conditional_rule_with_the_last_layer_pinned():
     channel's default conditional rule (measured 2.2e-4 / 1.6e-4 for q̂₁₁ / q̂₂₂ on these 128
     draws), and the Laplace rule alone (SE's channel until 2026-11-28) more than 1e-2 off on
     q̂₁₁ (measured 7.7 %)."""
-    from smi_core.channels import NoisyChannel
+    from smi_core.noisy_channel import NoisyChannel
     from smi_core.state_evolution import _Problem
     model, q = DeepAttention(layers=2, tokens=2), np.diag([0.26, 0.98])
 

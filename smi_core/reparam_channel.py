@@ -1,0 +1,517 @@
+"""Route 1, ``"reparam"``: noiseless softmax deep attention, tied, r = 1 (spec §4).
+
+The integral over the earlier layers x = h_{<L} of Σ_± N([x; ±h_L(x)]; ω, V) / |det Φ⁽ᴸ⁻¹⁾(x)|
+(L = 1: two points ±u_L), by the Laplace rule of ``Channel``, the polar rule (smi_core.polar)
+where the earlier layers are broad, and adaptive cubature for a pinned last layer.  See
+smi_core.channels for the shared machinery and the README ("Channel rules in detail").
+"""
+from __future__ import annotations
+
+from functools import partial
+from itertools import product
+
+import numpy as np
+
+from . import _quadrature, validate
+from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings, _shallow,
+                       _whitening)
+from .polar import PolarRule
+
+
+def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
+    """Boxes [t, θ, half-width in t, in θ] over t ∈ [0, 1] (in units of tmax), θ ∈ [0, π): nr
+    intervals uniform in √t, and per interval nth uniform in θ plus cuts graded towards the softmax
+    cliffs θ = 0, π/4, π/2 down to ≈ 1/(β t), the cliffs' width at the interval's outer end."""
+    rays = np.array([0.0, 0.25, 0.5, 0.75, 1.0]) * np.pi      # the cliffs a = 0, b = 0, a = b
+    t_cuts = (np.arange(nr + 1) / nr) ** 2
+    base = []
+    for k in range(nr):
+        grade = int(np.clip(np.ceil(np.log2(np.pi / 8 * beta_tmax * t_cuts[k + 1])), 0, max_grade))
+        near = (np.pi / 8) * 2.0 ** -np.arange(grade + 1)
+        cuts = np.unique(np.clip(np.concatenate([np.linspace(0, np.pi, nth + 1), (rays[:, None] + near).ravel(),
+                                                 (rays[:, None] - near).ravel()]), 0, np.pi))
+        base.append(np.stack([np.full(len(cuts) - 1, t_cuts[k] + t_cuts[k + 1]) / 2,
+                              (cuts[1:] + cuts[:-1]) / 2, np.full(len(cuts) - 1, t_cuts[k + 1] - t_cuts[k]) / 2,
+                              np.diff(cuts) / 2], axis=1))
+    return np.concatenate(base)
+
+
+class ReparamChannel(PolarRule, Channel):
+    """Route 1: noiseless softmax deep attention, tied, r = 1 (spec §4 reparametrisation)."""
+
+    route, _route_id, _delta, _n_data_noise = "reparam", 0, 0.0, 0
+
+    def __init__(self, model, escalate: float | None = None, escalation: dict | None = None, **options):
+        """``escalate``: the estimate above which a sample gets finer rules (``tol`` when given;
+        default PINNED["escalate"] for L = 2, LAPLACE3_ESCALATE for L = 3, where only the
+        Laplace rule escalates).  ``escalation``: entries of ESCALATION[T] to change (two
+        layers; e.g. state evolution's, ``state_evolution.ESCALATION[2]``)."""
+        spec = model.spec
+        if not (spec.architecture == "tied" and spec.link == "softmax" and spec.rank == 1):
+            raise ValueError("route='reparam' needs a tied softmax DeepAttention with rank=1; "
+                             "use noise=Δ > 0 for the noisy route")
+        super().__init__(model, **options)
+        default = self.LAPLACE3_ESCALATE if model.layers == 3 else self.PINNED["escalate"]
+        self.escalate = default if escalate is None else validate.positive("escalate", escalate)
+        self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
+        self._u_model = _shallow(model, self.threads, 1)
+        if model.layers >= 2:
+            self._node_kernel = model.kernel("node")
+            self._jac_kernel = model.kernel("node_jacobian")
+            self._inverse_kernel = model.kernel("inverse")
+            self._n_node = model.tokens + 1
+        if model.layers == 3:
+            # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
+            self._phi1_kernel = _shallow(model, self.threads, 2).kernel("node")
+            if options.get("max_regions") is None:      # the Laplace path's adaptive budget
+                self.max_regions = self.LAPLACE3_REGIONS
+        self.model_is_points = model.layers == 1
+
+    # L = 3 on the Laplace path with ``tol``: the adaptive rule's default budget (``max_regions``;
+    # two layers cross-check there with PINNED["cross_regions"]).  A near-singular V (h_1, h_2
+    # correlated 0.98, conditional sd 0.011 / 0.029) at tol = 1e-7: estimate 2.1e-2 with 4 000
+    # regions, 7.2e-5 with 200 000 (11 s), 6.4e-6 with 1 000 000 (46 s), the last two 2.3e-5 apart.
+    LAPLACE3_REGIONS = 200000
+    # L = 3 on the Laplace path by default (with the estimate): samples above it get the finer
+    # Gauss–Hermite round (7 → 11 nodes per dimension; 17 would exceed GH_BUDGET).  On 64
+    # state-evolution draws per q, against the rule at 16 nodes: max error 1.1e-2 / 6.0e-3 /
+    # 1.6e-3 → 4.6e-4 / 1.7e-4 / 2.0e-5 at q = 0.97 / 0.98 / 0.99·I, 0.57 / 0.54 / 0.53 →
+    # 1.69 / 1.36 / 1.06 ms per sample (see the README)
+    LAPLACE3_ESCALATE = 1e-4
+
+    # -- L = 2, 3 and T = 2: the polar rule about the cliffs' meeting point (smi_core.polar) ----
+    POLAR_SCALE = {2: 1.0, 3: 4 / 7}    # node counts at the default ``nodes``
+    # three layers: one group per V (bin = inf: each sample runs over its own ball and arcs, so
+    # the node set-up is shared by the whole batch), 3 radii per √V_ℓℓ of the range (at least
+    # 20.6), 6.9 to 57 angles per ring (c0·scale, cap·scale; more where the prior concentrates,
+    # capk below), the prior cut at e^-15.  Max
+    # error on 64 draws per q (1024-draw batches) against the previous rule at nodes = 20:
+    # 6.9e-5 / 6.4e-5 / 3.6e-5 at q = 0 / 0.3 / 0.9 (the previous defaults: 1.3e-4 / 2.9e-4 /
+    # 9.5e-4; its groups of |ω_ℓ| cells 2√V_ℓℓ wide set up 4.5 M nodes for 1024 draws at q = 0.9,
+    # against 1.3 M).  c2 = 1.5: the prior's concentration needs ≈ 2.6√k angles for 1e-6 (k the
+    # von Mises concentration), c2 = 3 gave 2× the node pairs at q = 0.9 for the same error;
+    # c0 and radial set the q = 0 and q = 0.3 tails (c0 = 10: 1.3e-4 at q = 0; 32 radii:
+    # 1.4e-4 at q = 0.3); capk = 0.5: the cap grows ∝ (k/k0)^¼ where the prior concentrates (a
+    # sample runs over ∝ 1/√k of such a ring), for a q = 0.9 draw whose h_2 rings at
+    # r ≈ |ω_2| = 2.4 needed ≈ 70 angles (1.6e-3 → 6.2e-5; a flat cap of 180 did the same but
+    # took q = 0.3 to 2.4 ms)
+    # blend: the polar and Laplace rules are mixed for conditional sd in [0.2, 0.25] (see
+    # _polar_weight): with the last layer pinned they disagree (up to 13× on 32 draws at
+    # q = diag(0.96, 0.945, 0.9995)), and a hard switch made three-layer state evolution cycle
+    # about it (α = 1.5, amplitude 1.5e-3 in q₁₁).  Two layers keep the hard switch: both rules
+    # are accurate there and the mixture would take in the Laplace rule's unescalated error
+    # (q̂₁₁ off the tol = 1e-7 channel by 3.5e-5 at q = diag(0.95, 0.998), 1024 draws, against
+    # 4.6e-8 with the switch)
+    POLAR_BY_LAYERS = {3: dict(radial=36, density=3.0, c0=12.0, c2=1.5, cap=100, capk=0.5, reach=5.5,
+                               bin=np.inf, blend=0.25)}
+
+    # T = 3 (the spherical rule, two layers): groups of |ω_1| cells 2√V_11 wide (each sample runs
+    # over its own shells; a shell holds ≈ 0.64 N² nodes against N for a ring, so the T = 2 cells,
+    # 0.25√V_11, spent most of the time in node set-up: 1.76 against 0.51 ms per sample at q = 0.9,
+    # 1024 draws, without the estimate; one group per V, 0.52 ms, left a draw 9.8e-6 off)
+    POLAR_T3 = dict(bin=2.0)
+
+    def _polar_params(self):
+        return super()._polar_params() | (self.POLAR_T3 if self.T == 3 else {})
+
+    # three layers, every layer about as narrow (the last layer's conditional sd over the narrowest
+    # earlier layer's, ρ, at least ratio[1]): the polar rule down to conditional sd 0.13 instead of
+    # POLAR_MIN_SD, by a hard switch (both rules accurate there, and the blend ran both: at q =
+    # 0.975 / 0.98·I 5.2 / 6.1 ms per sample where either alone took ≈ 1.5–3); threshold and blend
+    # width move linearly between ρ = ratio[0] and ratio[1].  Against the channel at tol = 1e-6
+    # (24 draws per q, 256-draw batches): at q = 0.95·I the polar rule 1.2e-5 max in 1.4 ms per
+    # sample where the blend of both rules took 4.2 ms at 8.4e-4; at 0.97·I 2.5e-5 where the
+    # Laplace rule was up to 1.5e-4 off (5.3e-3 on another draw, y at the softmax edge); at 0.98
+    # both within 2e-5.  With the last layer pinned the polar rule is the worse one (q = diag(0.97,
+    # 0.97, 0.999), ρ = 0.18: up to 0.51 off where the Laplace rule is 6.3e-3), so there threshold
+    # and blend stay.
+    POLAR3_MIN_SD = dict(sd=0.13, ratio=(0.5, 0.8))
+
+    def _polar_threshold(self, prec):
+        """POLAR_MIN_SD and the blend; three layers: towards POLAR3_MIN_SD["sd"] and a hard switch
+        as ρ = √(max_ℓ<L (V⁻¹)_ℓℓ / (V⁻¹)_LL) grows through POLAR3_MIN_SD["ratio"]."""
+        s_min, blend = super()._polar_threshold(prec)
+        if self.model.layers != 3:
+            return s_min, blend
+        lo, hi = self.POLAR3_MIN_SD["ratio"]
+        t = np.clip((np.sqrt(self._ring_prec(prec) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
+        return s_min + t * (self.POLAR3_MIN_SD["sd"] - s_min), blend * (1 - t)
+
+    # three layers where the polar rule took over from the Laplace rule (the threshold lowered, ρ >
+    # POLAR3_MIN_SD["ratio"][0], and conditional sd below (1 + blend) POLAR_MIN_SD), by default
+    # with the estimate: samples whose estimate is above it get one round of the polar rule at
+    # 1.5× the counts.  The estimate is pessimistic there (median 4.5e-4 at errors ≈ 1e-6, q =
+    # 0.975·I), but a draw with y at the softmax edge, 2.1e-4 off, estimated 1.6e-2 (3rd of 256);
+    # with the round 1.5e-5.  Not where the last layer is pinned (the rounds do not converge), nor
+    # at broader q (q = 0.9·I: +30 % time for an error already within 1e-4).
+    POLAR3_ESCALATE = 1e-2
+
+    # two layers, T = 2: the samples whose estimate is above the target (``tol``, else
+    # ``escalate``) get the polar rule at 1.5× the counts for up to ``rounds`` rounds, then the
+    # adaptive rule (``_pinned``), until their estimate is below ``refine`` × the target.  With
+    # three rounds to the target itself (before 2026-11-28), 256 draws at q = diag(0, 0.99) /
+    # diag(0, 0.999) / diag(0.3, 0.995) took 0.84 / 5.1 / 1.2 ms per sample, max error 5.8e-7 /
+    # 2.9e-7 / 2.4e-7 (against tol = 1e-8); now 0.30 / 1.1 / 0.54 ms, 5.8e-7 / 2.2e-7 / 1.1e-7:
+    # the finer polar rules converge for most pinned samples, and cost less than the adaptive
+    # rule.  Eight rounds to the target itself (256 other draws): 0.20 / 0.96 / 0.29 ms, but up
+    # to 2.4e-6 off.  T = 3 (the spherical rule, then the Laplace rule): six rounds to the target
+    # itself.  With the last layer pinned three rounds left 37 of 64 draws at q = diag(0, 0.999)
+    # estimating above 1e-3, up to 9.9 off the 3-D reference; six rounds leave 2 (max 4.6e-3) at
+    # 14× the time, and on the six draws checked against the reference at n = 20 are within its
+    # bound plus 1.6e-5 (three rounds: 5.7e-4 … 9.9 off).  Seven rounds: 2.6× more again.
+    ESCALATION = {2: dict(rounds=8, refine=0.1), 3: dict(rounds=6, refine=1.0)}
+
+    def _polar_escalation(self, Vinv, error):
+        """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
+        above it, ``escalation``'s rounds to its ``refine`` × it; three layers without ``tol``:
+        POLAR3_ESCALATE where the polar rule took over from the Laplace rule, one round."""
+        target, rounds = super()._polar_escalation(Vinv, error)
+        if self.model.layers == 2:
+            if target is not None:
+                target = np.where(error > target, target * self.escalation["refine"], np.inf)
+            return target, self.escalation["rounds"]
+        if target is None and self.model.layers == 3 and self.error_estimate:
+            prec = np.diagonal(Vinv, axis1=1, axis2=2)
+            took_over = (self._polar_threshold(prec)[0] < self.POLAR_MIN_SD) & (
+                1.0 / np.sqrt(self._ring_prec(prec)) < (1 + self._polar_params()["blend"]) * self.POLAR_MIN_SD)
+            return np.where(took_over, self.POLAR3_ESCALATE, np.inf), 1
+        return target, rounds
+
+    @property
+    def _ring_layers(self):
+        return self.model.layers - 1
+
+    @property
+    def _polar_stall(self):
+        """L = 3: a sample whose estimate fell by less than half when the counts grew by 1.5 is
+        left to the adaptive rule (``_pinned3``): with the last layer pinned the rings converge
+        too slowly to be worth growing (on a q₃₃ = 0.99 draw the three rounds took 7.8 of the
+        13.7 s of the sample with tol = 1e-3)."""
+        return 0.5 if self.model.layers == 3 else None
+
+    @property
+    def escalates(self) -> bool:
+        """L = 2: samples whose estimate is above ``escalate`` get finer rules (``_polar``,
+        ``_laplace``); without the estimate the result stands, off by up to 1e3 (relative) in
+        the pinned regime.  L = 3 escalates only its Laplace rule (``_laplace_target``) and
+        counts as not escalating: state evolution and GAMP keep turning its estimate off (one
+        finer round there cost 2–4× per sample at q = 0.97 … 0.99·I)."""
+        return self.model.layers == 2
+
+    @property
+    def _polar_applies(self):
+        """T = 2 and L ∈ {2, 3}, or T = 3 and L = 2 (shells: the spherical rule); the rings are
+        on the earlier layers (the likelihood pins h_L on a plateau of Φ)."""
+        return self.model.layers in self.POLAR_SCALE and (self.T == 2 or (self.T == 3 and self.model.layers == 2))
+
+    def _polar_layers(self, group, mu, V, scale):
+        """The rings of every earlier layer h_ℓ about the origin (amp = (1 + c)^{2(ℓ-1)})."""
+        return [self._polar_rings(group, mu[:, l], V[:, l, l], scale, (1 + self.model.skip) ** (2 * l))
+                for l in range(self.model.layers - 1)]
+
+    @property
+    def _polar_data_rows(self):
+        return self.T * self.T + 1
+
+    def _polar_fill(self, nodes, m):
+        """Rows [Φ⁻¹ (row-major), log|det Φ|] of Φ = Φ⁽ᴸ⁻¹⁾(x) (x: rows 0…m-1), by the generated
+        inverse kernel, in place."""
+        self._inverse_kernel.columns(nodes[:m], self.model.params, nodes[m + 1:])
+
+    def _polar_input(self, y):
+        return self._u_model.reparametrise(y).u
+
+    def _polar_scale(self):
+        d = 2 * (self.model.layers - 1)
+        return (self.nodes or DEFAULT_NODES[d]) / DEFAULT_NODES[d] * self.POLAR_SCALE[self.model.layers]
+
+    def _polar_target(self):
+        return self._target(self.escalates)
+
+    def _laplace_target(self):
+        """As the polar rule's (two layers: ``escalate`` by default), and for three layers
+        ``escalate`` by default too (LAPLACE3_ESCALATE), while their polar rule escalates only
+        with ``tol``.  Without it, at q = 0.965·I nine of 1024 two-layer state-evolution draws
+        (T = 2, 14 nodes per dimension) were 1.4e-5 … 3.2e-5 off, and with T = 3 (9 nodes) up
+        to 1.1e-5 of 8, estimating 24–180× their errors; at 14 nodes (T = 3) within 9.1e-9."""
+        return self._target(self.escalates or self.model.layers == 3)
+
+    def _polar(self, y, omega, V, Vinv, logdetV):
+        """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
+        ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
+        L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above the
+        escalation's target (``escalation["refine"]`` × it after its rounds) are
+        integrated again by the adaptive rule to it (``_pinned``; T = 3: the Laplace rule,
+        ``_laplace``), kept where its estimate is lower (T = 3: the estimate taken no lower than
+        the two rules' difference; at q = diag(0, 0.99) the Laplace rule's adaptive cubature was
+        once kept 29 off while estimating 1.4e-4).  L = 3 with ``tol``: samples above
+        max(tol, PINNED3["floor"]) are integrated again by the four-dimensional adaptive rule
+        (``_pinned3``), kept where its estimate is lower."""
+        log_z, mean, cov, error, target = self._polar_refined(y, omega, V, Vinv, logdetV)
+        if self.model.layers == 3:
+            target = self._polar_target()
+            target = None if target is None else max(target, self.PINNED3["floor"])
+        redo = np.flatnonzero(error > target) if target is not None else []
+        if len(redo):       # e.g. the last layer pinned: the adaptive rule, kept where its estimate is lower
+            if self.model.layers == 3:
+                rule = partial(self._pinned3, ref=mean[redo], shift=log_z[redo])
+            else:
+                rule = partial(self._pinned, tol=target[redo]) if self.T == 2 else self._laplace
+            better = rule(y[redo], omega[redo], V[redo], Vinv[redo], logdetV[redo])
+            if self.T == 3:     # the Laplace rule's estimate can miss mass: no lower than the rules' difference
+                differ = self._differ(omega[redo], V[redo], Vinv[redo], (log_z[redo], mean[redo], cov[redo]), better)
+                better = (*better[:3], np.maximum(better[3], differ))
+            _keep_lower((log_z, mean, cov, error), redo, better)
+        return log_z, mean, cov, error
+
+    def _laplace(self, y, omega, V, Vinv, logdetV):
+        """The Laplace rule (``Channel._laplace``); L = 2 with ``tol``: every sample is integrated
+        again by the adaptive rule (``_pinned``, whose estimate includes κ) at tol·PINNED["cross"]
+        (up to PINNED["cross_regions"] regions), whose result is kept; the error is the larger of
+        its estimate / PINNED["cross"] and the difference between the two rules (κ: on a
+        near-singular draw with y uninformative along V's thin direction, κ ≈ 3e3, the rule at
+        tol·PINNED["cross"] without κ was 4.5e-6 off, with it 1.1e-8).  The
+        Laplace rule's estimate (the difference of two Gauss–Hermite rules) misses a posterior
+        that is a thin curved ridge (near-singular V at an angle to the layers): on such draws
+        it was off by 1.3e-6 to 9e-6 while estimating 1e-9 to 1e-7; the adaptive rule at 1e-9
+        was within 7e-8 of an independent brute-force rule on 9 of 10 such draws and 1.2e-6 off
+        on the tenth (estimating 1e-9), hence the difference."""
+        out = super()._laplace(y, omega, V, Vinv, logdetV)
+        if self.model.layers != 2 or self.tol is None or self.T != 2:
+            return out
+        cross = self.PINNED["cross"]
+        better = self._pinned(y, omega, V, Vinv, logdetV, tol=self.tol * cross,
+                              max_regions=self.PINNED["cross_regions"])
+        differ = self._differ(omega, V, Vinv, out, better)
+        return (*better[:3], np.maximum(better[3] / cross, differ))
+
+    # -- L = 2, T = 2, samples the polar rule flags: adaptive cubature seeded at the posterior's peaks --
+    PINNED = dict(escalate=1e-5, grid=(8, 8), reach=8.0, max_regions=20000, depth=40, floor=30.0,
+                  cross=1e-2, cross_regions=200000)
+
+    def _pinned_starts(self, u, omega, V):
+        """Gauss–Newton starts at the h_1 that puts h_2 at its mean given h_1, per sign of u_2:
+        Φ⁽¹⁾ = cI + A with A row-stochastic, so (cI + A) h_2 = ±u_2 is linear in A's two free
+        entries; A is then the softmax output of one layer, whose pre-image is h_1 (up to sign;
+        the reflection nearer ω_1 is kept).  Iterated three times (the mean of h_2 depends on
+        h_1 when V₁₂ ≠ 0).  Returns (n, 2, 2) starts and (n, 2) signs; NaN where A is outside
+        the softmax's range (no such h_1)."""
+        n, c = len(u), self.model.skip
+        starts = np.full((n, 2, 2), np.nan)
+        for k, sign in enumerate((1.0, -1.0)):
+            h1 = omega[:, 0].copy()
+            for _ in range(3):
+                v = _given_h1(h1, omega, V)[0]
+                dv = v[:, 0] - v[:, 1]
+                with np.errstate(divide="ignore", invalid="ignore"):      # dv = 0: no such A
+                    own = (sign * u - c * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
+                    ok = np.isfinite(own).all(axis=1) & (own > 0).all(axis=1) & (own < 1).all(axis=1) & (own.sum(axis=1) > 1)
+                A = np.stack([own[:, 0], 1 - own[:, 0], 1 - own[:, 1], own[:, 1]], axis=1).reshape(n, 2, 2)
+                h = np.full((n, 2), np.nan)
+                if ok.any():
+                    h[ok] = self._u_model.reparametrise(A[ok]).u
+                nearer = ((h - omega[:, 0]) ** 2).sum(axis=1) <= ((h + omega[:, 0]) ** 2).sum(axis=1)
+                h1 = np.where(ok[:, None], np.where(nearer[:, None], h, -h), omega[:, 0])
+            starts[ok, k] = h1[ok]
+        return starts, np.broadcast_to([1.0, -1.0], (n, 2))
+
+    def _pinned_peaks(self, u, omega, V, Vinv, logdetV):
+        """Local maxima of each term of the integrand over h_1 (Gauss–Newton, ``_quadrature.modes``)
+        from the pinned starts, from ±ω_1 and, for each sign of u_2, from two rings about ω_1
+        (radii √V₁₁ and 2√V₁₁, 8 angles: a sign without an exact pre-image still has a peak where
+        h_2 comes closest to its mean), with their Laplace covariances; peaks more than
+        PINNED["floor"] below the highest are dropped.  Returns centres (n, K, 2), covariances
+        (n, K, 2, 2), log heights (n, K) (-inf: dropped), signs of u_2 (n, K)."""
+        n = len(u)
+        pinned, pin_signs = self._pinned_starts(u, omega, V)
+        _, x0, signs = self._prepare_starts(u, omega)
+        phi = np.arange(8) * np.pi / 4
+        ring = np.concatenate([r * np.stack([np.cos(phi), np.sin(phi)], axis=1) for r in (1.0, 2.0)])
+        ring = omega[:, None, 0] + np.sqrt(V[:, 0, 0])[:, None, None] * ring[None]
+        x = np.concatenate([np.where(np.isfinite(pinned), pinned, omega[:, None, 0]), x0, ring, ring], axis=1)
+        ring_signs = np.repeat([1.0, -1.0], len(phi) * 2)
+        signs = np.ascontiguousarray(np.concatenate([pin_signs, signs, np.broadcast_to(ring_signs, (n, ring_signs.size))], axis=1))
+        x = np.ascontiguousarray(x)
+        logf, hess = np.empty(x.shape[:2]), np.empty(x.shape[:2] + (2, 2))
+        const0 = -(2 * np.log(2 * np.pi) + logdetV)
+        _quadrature.modes(0, self._jac_kernel.capsule(), self.model.params, np.ascontiguousarray(u),
+                          np.ascontiguousarray(omega.reshape(n, 4)), Vinv, const0, x, signs, logf,
+                          hess, 2, 2, self._n_node, 0.0, threads=self.threads)
+        logf = np.where(np.isfinite(logf), logf, -np.inf)
+        logf[logf < logf.max(axis=1, keepdims=True) - self.PINNED["floor"]] = -np.inf
+        with np.errstate(invalid="ignore"):
+            cov = np.linalg.inv(hess + 1e-300 * np.eye(2))
+        return x, cov, logf, signs
+
+    def _pinned_boxes(self, peaks, cov, logf, tmax):
+        """Initial boxes [t, θ, half-widths] in x = h_1 = √t (cos θ, sin θ), t ∈ [0, tmax],
+        θ ∈ [0, π): PINNED["grid"] = (n_r, n_θ) intervals uniform in √t and θ, the θ cuts
+        graded towards the softmax cliffs θ = 0, π/4, π/2 (where one constraint on h_2 holds
+        while the other saturates: thin ridges of small mass a coarse box would not see) down
+        to ≈ 1/(β t), the cliffs' width at the outer end of each √t interval; and about every
+        peak the box that holds it bisected (along its relatively wider side) until it is no
+        wider than the peak's Laplace sd in t and θ, so that the cubature sees every peak
+        however narrow.  Returns the rows and each sample's start offset."""
+        base = _cliff_grid(*self.PINNED["grid"], self.model.beta * tmax.max())
+        rows, start = [], [0]
+        for i in range(len(tmax)):
+            boxes = base * [tmax[i], 1.0, tmax[i], 1.0]
+            extra = []
+            found = np.isfinite(logf[i])
+            for x in np.unique(np.round(peaks[i, found], 6), axis=0):
+                C = cov[i, found][np.argmin(np.abs(peaks[i, found] - x).sum(axis=1))]
+                t, th = x @ x, np.arctan2(x[1], x[0]) % np.pi
+                if not (t < tmax[i] and np.isfinite(C).all()):
+                    continue
+                g_t, g_th = 2 * x, np.array([-x[1], x[0]]) / max(t, 1e-300)
+                sd = np.sqrt(np.maximum([g_t @ C @ g_t, g_th @ C @ g_th], 0.0))
+                pool = np.concatenate([boxes] + extra) if extra else boxes
+                inside = np.flatnonzero((np.abs(t - pool[:, 0]) <= pool[:, 2]) & (np.abs(th - pool[:, 1]) <= pool[:, 3]))
+                if not inside.size:
+                    continue
+                b = pool[inside[0]].copy()
+                chain = []
+                for _ in range(self.PINNED["depth"]):      # bisect: keep the half with the peak
+                    if b[2] <= sd[0] and b[3] <= sd[1]:
+                        break
+                    ax = 0 if b[2] / tmax[i] >= b[3] / np.pi else 1
+                    b[2 + ax] *= 0.5
+                    other = b.copy()
+                    side = 1.0 if [t, th][ax] >= b[ax] else -1.0
+                    b[ax] += side * b[2 + ax]
+                    other[ax] -= side * other[2 + ax]
+                    chain.append(other)
+                if chain:
+                    pool = np.delete(pool, inside[0], axis=0)
+                    boxes, extra = pool, [np.array(chain + [b])]
+            rows.append(np.concatenate([boxes] + extra) if extra else boxes)
+            start.append(start[-1] + len(rows[-1]))
+        return np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64)
+
+    def _pinned(self, y, omega, V, Vinv, logdetV, tol, max_regions=None):
+        """Adaptive Genz–Malik cubature over h_1 in coordinates (t = |h_1|², θ), where the prior
+        is smooth (dh_1 = ½ dt dθ) and the softmax cliffs are lines θ = const
+        (``_quadrature.integrate_polar_adaptive``), from boxes refined about every peak
+        (``_pinned_peaks``, ``_pinned_boxes``), to ``tol`` (a number or one per sample; from
+        ``_polar``, its escalation's target: ``escalation["refine"]`` × ``tol``, else × ``escalate``)
+        in κ Σ|I7 - I5| / mass of the moments whitened by V's Cholesky factor, κ (``_amp``) from
+        the running sums: that bounds the metric of
+        (g_out, dg_out), and is the error estimate (without κ, on 48 state-evolution draws at
+        q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
+        n = len(omega)
+        u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
+        peaks, cov, logf, signs = self._pinned_peaks(u, omega, V, Vinv, logdetV)
+        tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
+        boxes, start = self._pinned_boxes(peaks, cov, logf, tmax)
+        const0 = -(2 * np.log(2 * np.pi) + logdetV)
+        found = np.isfinite(logf).any(axis=1)
+        shift = np.where(found, logf.max(axis=1), const0)
+        best = np.argmax(logf, axis=1)              # moments about Z at the highest peak
+        ref = np.where(found[:, None], self._point(u, peaks[np.arange(n), best], signs[np.arange(n), best]),
+                       omega.reshape(n, 4))
+        return self._polar_adaptive(u, omega, V, Vinv, const0, ref, shift, boxes, start, tol,
+                                    max_regions or self.PINNED["max_regions"], metric=True)
+
+    def _polar_adaptive(self, u, omega, V, Vinv, const0, ref, shift, boxes, start, tol, max_regions,
+                        capsule1=None, metric=False):
+        """``_quadrature.integrate_polar_adaptive`` from the initial ``boxes`` (rows
+        start[i]:start[i+1] per sample) to ``tol`` (a number or one per sample), moments about
+        ``ref`` whitened by V's Cholesky factor (``metric``: times κ, see ``_pinned``).  Returns
+        (log_z, E[Z], Cov[Z], the estimate)."""
+        n, RT = len(omega), V.shape[1] * self.T
+        log_z, mean, second = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT))
+        used, achieved = np.empty(n, dtype=np.int32), np.empty(n)
+        _quadrature.integrate_polar_adaptive(self._node_kernel.capsule("columns"), self.model.params, u,
+                                             np.ascontiguousarray(omega.reshape(n, RT)), np.ascontiguousarray(ref),
+                                             Vinv, const0, np.ascontiguousarray(shift, dtype=float), boxes, start,
+                                             _whitening(V, self.T), np.broadcast_to(np.asarray(tol, float), n).copy(),
+                                             max_regions, log_z, mean, second, used, achieved, self.threads,
+                                             capsule1=capsule1, V=np.ascontiguousarray(V) if metric else None,
+                                             amp=_amp(V) if metric else None)
+        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
+
+    # -- L = 3, T = 2 with ``tol``: four-dimensional adaptive cubature ------------------------
+    # floor: below it the polar rule's stalled estimate beats what the adaptive rule reaches with
+    # max_regions boxes (broad draws, q = 0, tol = 1e-7: polar 8.3e-7 … 1.2e-6, the adaptive rule
+    # 3.4e-6 … 3.7e-6 after 25 s), so only samples above max(tol, floor) take it.
+    PINNED3 = dict(grid=(6, 8), grade=12, reach=8.0, max_regions=500000, floor=1e-5)
+
+    def _pinned3(self, y, omega, V, Vinv, logdetV, ref, shift):
+        """Adaptive Genz–Malik cubature in (t_1, θ_1, t_2, θ_2): h_1 = √t_1 (cos θ_1, sin θ_1),
+        u_2 = Φ⁽¹⁾h_2 = √t_2 (cos θ_2, sin θ_2), so that both layers' softmax cliffs are planes
+        θ_ℓ = const (``_quadrature.integrate_polar_adaptive``); from the product of each layer's
+        ``_cliff_grid`` (PINNED3["grid"]) over t_1 ≤ (|ω_1| + reach √V₁₁)², t_2 ≤ ((c + √2)(|ω_2|
+        + reach √V₂₂))² (‖Φ⁽¹⁾‖ ≤ c + √2), to ``tol`` in Σ|I7 - I5| / mass of the moments
+        whitened by V's Cholesky factor (that ratio is the error estimate; without κ: with it, on
+        16 draws at q = diag(0, 0, 0.99), tol = 1e-3 took 2.9 s per sample instead of 1.0 s, at
+        the same errors on 8 of them against tol = 1e-5, max 1.9e-4 / 2.2e-4, which the whitened
+        estimate already bounds).  With the last layer
+        pinned the posterior is a thin sheet in (h_1, h_2) that rings do not resolve; this rule
+        refines about it.  ``ref``, ``shift``: the polar rule's mean and log Z (moments about
+        ref, sums relative to e^shift)."""
+        n, c, reach = len(omega), self.model.skip, self.PINNED3["reach"]
+        u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
+        tmax1 = (np.linalg.norm(omega[:, 0], axis=1) + reach * np.sqrt(V[:, 0, 0])) ** 2
+        tmax2 = ((c + np.sqrt(2)) * (np.linalg.norm(omega[:, 1], axis=1) + reach * np.sqrt(V[:, 1, 1]))) ** 2
+        rows, start = [], [0]
+        for i in range(n):
+            b1, b2 = (_cliff_grid(*self.PINNED3["grid"], self.model.beta * t, self.PINNED3["grade"]) * [t, 1.0, t, 1.0]
+                      for t in (tmax1[i], tmax2[i]))
+            i1, i2 = (a.ravel() for a in np.meshgrid(np.arange(len(b1)), np.arange(len(b2)), indexing="ij"))
+            rows.append(np.concatenate([b1[i1, :2], b2[i2, :2], b1[i1, 2:], b2[i2, 2:]], axis=1))
+            start.append(start[-1] + len(rows[-1]))
+        return self._polar_adaptive(u, omega, V, Vinv, -(3 * np.log(2 * np.pi) + logdetV), ref, shift,
+                                    np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64),
+                                    self.tol, self.PINNED3["max_regions"], capsule1=self._phi1_kernel.capsule("columns"))
+
+    def representable(self, y) -> np.ndarray:
+        """(n,) mask: softmax outputs whose pre-image ±u_L float64 determines (not an entry
+        that underflowed to 0, nor u₁ ≈ u₂ lost to rounding: ``has_preimage``)."""
+        y = np.asarray(y, dtype=np.float64)
+        return super().representable(y) & self._u_model.has_preimage(y)
+
+    def _check_y(self, y, n):
+        y, _ = validate.batch("y", y, (self.T, self.T))
+        if len(y) != n:
+            raise ValueError(f"y and omega must have the same number of samples, got {len(y)} and {n}")
+        return y
+
+    def _prepare(self, y, omega, V):
+        u = self._u_model.reparametrise(y).u               # validates y, rejects inconsistent y
+        if self.model.layers == 1:
+            return u, None, None
+        return self._prepare_starts(u, omega)
+
+    def _prepare_starts(self, u, omega):
+        """Gauss–Newton starts: ω_{<L} with every earlier layer reflected or not, for each sign
+        of u_L."""
+        L, T = self.model.layers, self.T
+        patterns = np.array(list(product((1.0, -1.0), repeat=L)))       # (sign of u_L, reflections)
+        x0 = omega[:, None, :L - 1, :] * patterns[None, :, 1:, None]
+        signs = np.broadcast_to(patterns[None, :, 0], (len(u), len(patterns)))
+        return u, np.ascontiguousarray(x0.reshape(len(u), len(patterns), (L - 1) * T)), signs
+
+    def _prior(self, omega, V):
+        """The prior of x = h_{<L}: N(ω_{<L}, V_{<L,<L} ⊗ I_T)."""
+        L, T = self.model.layers, self.T
+        return omega[:, :L - 1].reshape(len(V), -1), _per_token(np.linalg.inv(V[:, :L - 1, :L - 1]), T)
+
+    def _points(self, u, omega, Vinv, logdetV):
+        """L = 1: the posterior is the two points ±u_L."""
+        n, T = u.shape
+        Z = np.stack([u, -u], axis=1)                                     # (n, 2, T)
+        r = Z - omega[:, None, 0, :]
+        logw = -0.5 * Vinv[:, 0, 0, None] * (r ** 2).sum(axis=2) - 0.5 * T * (np.log(2 * np.pi) + logdetV[:, None])
+        top = logw.max(axis=1)
+        w = np.exp(logw - top[:, None])
+        log_z = top + np.log(w.sum(axis=1))
+        w /= w.sum(axis=1, keepdims=True)
+        mean = np.einsum("nk,nkt->nt", w, Z)
+        dev = Z - mean[:, None, :]
+        cov = np.einsum("nk,nks,nkt->nst", w, dev, dev)
+        return log_z, mean, cov
+
+    def _point(self, u, x, sign):
+        n, T = u.shape
+        out = self._node_kernel(np.concatenate([u, x], axis=1), self.model.params)
+        return np.concatenate([x, sign[:, None] * out[:, :T]], axis=1)
