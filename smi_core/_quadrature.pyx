@@ -892,8 +892,8 @@ cdef struct Site:        # one sample's integrand (route, kernel, data, ω, V⁻
     double* IN1        # polar mode, L = 3: f1's inputs and outputs by columns (4 and 3 rows)
     double* OUT1
     double* LQ         # the pieces' log weights by columns (M rows; ``smi_place``)
-    double* INV        # the points' partition factors, and scratch (``smi_place``)
-    double* LMX
+    double* INV        # the points' partition factors 1 / Σ_j e^(lq_j - max) (``smi_place``)
+    double* LMX        # the points' max_j lq_j (``smi_place``'s scratch)
     double* ldA        # log|det A_m| per piece
     double* buf        # the kernel's inputs by columns: route 0 [data rows; X], route 1 X
     double* X          # Z of the first term (RT rows; route 0: x, then h_L from the kernel)
