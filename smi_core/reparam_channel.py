@@ -36,64 +36,100 @@ def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
     return np.concatenate(base)
 
 
-def _split_about(boxes, centre, sd, k, cells):
-    """Every box [centre, half-widths] (2-D) that meets the window centre ± k·sd cut along the
-    window's edges (up to 9 pieces), the piece inside the window into cells of about sd (at
-    most ``cells`` per axis); the other boxes, and those inside the window already no wider
-    than sd, as they are."""
-    lo, hi = centre - k * sd, centre + k * sd
+def _split_about(boxes, owner, centre, sd, k, cells):
+    """Boxes [centre, half-widths] (2-D) of the samples ``owner``; per sample a window centre ±
+    k·sd (rows of ``centre``, ``sd``; NaN: none).  Every box that meets its sample's window is
+    cut along the window's edges (up to 9 pieces), the piece inside the window into cells of
+    about sd (at most ``cells`` per axis); the other boxes, and those inside the window already
+    no wider than sd, stay as they are.  Returns the boxes and their owners."""
+    lo, hi, sd = (centre - k * sd)[owner], (centre + k * sd)[owner], sd[owner]
     a, z = boxes[:, :2] - boxes[:, 2:], boxes[:, :2] + boxes[:, 2:]
-    meet = np.all((a < hi) & (z > lo), axis=1)
-    done = np.all((a >= lo) & (z <= hi) & (2 * boxes[:, 2:] <= sd), axis=1)
-    work = meet & ~done
-    pieces = []
-    for box_a, box_z in zip(a[work], z[work]):
-        l, h = np.clip(lo, box_a, box_z), np.clip(hi, box_a, box_z)
-        spans = []
-        for j in range(2):          # per axis: the intervals below, inside (as cells) and above the window
-            inner = np.linspace(l[j], h[j], int(min(max(np.ceil((h[j] - l[j]) / sd[j]), 1), cells)) + 1)
-            spans.append([[(box_a[j], l[j])], list(zip(inner[:-1], inner[1:])), [(h[j], box_z[j])]])
-        for i0, i1 in product(range(3), repeat=2):
-            s0, s1 = spans[0][i0], spans[1][i1]
-            if (i0, i1) != (1, 1):      # outside the window: one piece
-                s0, s1 = [(s0[0][0], s0[-1][1])], [(s1[0][0], s1[-1][1])]
-            pieces += [(u0, u1, v0, v1) for (u0, u1), (v0, v1) in product(s0, s1) if u1 > u0 and v1 > v0]
-    if not pieces:
-        return boxes
-    e = np.array(pieces)
+    work = np.all((a < hi) & (z > lo), axis=1) & ~np.all((a >= lo) & (z <= hi) & (2 * boxes[:, 2:] <= sd), axis=1)
+    if not work.any():
+        return boxes, owner
+    a, z, lo, hi, sd, who = a[work], z[work], lo[work], hi[work], sd[work], owner[work]
+    l, h = np.clip(lo, a, z), np.clip(hi, a, z)
+    spans = np.stack([np.stack([a, l], axis=2), np.stack([l, h], axis=2), np.stack([h, z], axis=2)], axis=1)
+    pieces = [np.concatenate([spans[:, i0, 0], spans[:, i1, 1]], axis=1)      # outside the window: one piece
+              for i0, i1 in product(range(3), repeat=2) if (i0, i1) != (1, 1)]
+    owners = [who] * len(pieces)
+    m = np.clip(np.ceil((h - l) / sd), 1, cells).astype(int)                    # inside: m₀ × m₁ cells
+    count = m[:, 0] * m[:, 1]
+    row = np.repeat(np.arange(len(m)), count)
+    c = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    index = np.stack([c // m[row, 1], c % m[row, 1]], axis=1)
+    start = l[row] + (h - l)[row] * index / m[row]
+    end = np.where(index + 1 == m[row], h[row], l[row] + (h - l)[row] * (index + 1) / m[row])
+    pieces.append(np.stack([start[:, 0], end[:, 0], start[:, 1], end[:, 1]], axis=1))
+    owners.append(who[row])
+    e, who = np.concatenate(pieces), np.concatenate(owners)
+    keep = (e[:, 1] > e[:, 0]) & (e[:, 3] > e[:, 2])
+    e = e[keep]
     cut = np.stack([(e[:, 0] + e[:, 1]) / 2, (e[:, 2] + e[:, 3]) / 2, (e[:, 1] - e[:, 0]) / 2, (e[:, 3] - e[:, 2]) / 2], axis=1)
-    return np.concatenate([boxes[~work], cut])
+    return np.concatenate([boxes[~work], cut]), np.concatenate([owner[~work], who[keep]])
 
 
 def _polar_sd(x, C):
-    """(t, θ) = (|x|², arg x mod π) of a point x of the h_1 plane and the sd of t and θ under the
-    covariance C of x (linearised)."""
-    t = x @ x
-    g_t, g_th = 2 * x, np.array([-x[1], x[0]]) / max(t, 1e-300)
-    return np.array([t, np.arctan2(x[1], x[0]) % np.pi]), np.sqrt(np.maximum([g_t @ C @ g_t, g_th @ C @ g_th], 0.0))
+    """(t, θ) = (|x|², arg x mod π) of points x (…, 2) of the h_1 plane and the sd of t and θ under
+    their covariances C (…, 2, 2) (linearised)."""
+    t = (x ** 2).sum(axis=-1)
+    g = np.stack([2 * x, np.stack([-x[..., 1], x[..., 0]], axis=-1) / np.maximum(t, 1e-300)[..., None]], axis=-2)
+    var = np.einsum("...ai,...ij,...aj->...a", g, C, g)
+    return np.stack([t, np.arctan2(x[..., 1], x[..., 0]) % np.pi], axis=-1), np.sqrt(np.maximum(var, 0.0))
 
 
-def _bisect_about(boxes, point, sd, depth=40):
-    """The box [centre, half-widths] (2-D) holding ``point`` bisected, along the axis wider
-    relative to ``sd``, keeping the half with the point, until no wider than sd (at most
-    ``depth`` times); the halves left behind join the boxes."""
-    inside = np.flatnonzero(np.all(np.abs(point - boxes[:, :2]) <= boxes[:, 2:], axis=1))
-    if not inside.size:
-        return boxes
-    b, pieces = boxes[inside[0]].copy(), []
+def _bisect_about(boxes, owner, point, sd, depth=40):
+    """Per sample (rows of ``point``, ``sd``; NaN: none) the first of its boxes [centre,
+    half-widths] (2-D; ``owner``: their samples) holding the point bisected, along the axis wider
+    relative to sd, keeping the half with the point, until no wider than sd (at most ``depth``
+    times); the halves left behind join the boxes.  Returns the boxes (changed in place) and
+    their owners."""
+    rows = np.flatnonzero(np.isfinite(point[owner, 0]))
+    hold = rows[np.all(np.abs(point[owner[rows]] - boxes[rows, :2]) <= boxes[rows, 2:], axis=1)]
+    hold = hold[np.unique(owner[hold], return_index=True)[1]]
+    who = owner[hold]
+    b, p, d = boxes[hold].copy(), point[who], sd[who]
+    pieces, owners = [], []
     for _ in range(depth):
-        if (b[2:] <= sd).all():
+        r = np.flatnonzero(~np.all(b[:, 2:] <= d, axis=1))
+        if not r.size:
             break
-        ax = int(np.argmax(b[2:] / sd))
-        b[2 + ax] *= 0.5
-        other = b.copy()
-        side = 1.0 if point[ax] >= b[ax] else -1.0
-        b[ax] += side * b[2 + ax]
-        other[ax] -= side * other[2 + ax]
+        ax = np.argmax(b[r, 2:] / d[r], axis=1)
+        b[r, 2 + ax] *= 0.5
+        other = b[r].copy()
+        side = np.where(p[r, ax] >= b[r, ax], 1.0, -1.0) * b[r, 2 + ax]
+        b[r, ax] += side
+        other[np.arange(len(r)), ax] -= side
         pieces.append(other)
+        owners.append(who[r])
     if not pieces:
-        return boxes
-    return np.concatenate([np.delete(boxes, inside[0], axis=0), np.array(pieces + [b])])
+        return boxes, owner
+    boxes[hold] = b
+    return np.concatenate([boxes] + pieces), np.concatenate([owner] + owners)
+
+
+def _packed(centres, sds, found, tmax, heights=None):
+    """Per rank k, the k-th usable (t, θ) centre and sd of every sample (n, 2) each, NaN where a
+    sample has fewer: those ``found``, with t < tmax, sd finite and > 0; with ``heights``, from
+    the highest down, skipping any within half an sd (per axis) of one already taken (peaks that
+    Gauss–Newton reached from several starts, and their reflections ±x, one point in (t, θ))."""
+    ok = found & (centres[..., 0] < tmax[:, None]) & np.all(np.isfinite(sds) & (sds > 0), axis=2)
+    picks = []
+    for i in range(len(tmax)):
+        k = np.flatnonzero(ok[i])
+        if heights is not None:
+            taken = []
+            for j in k[np.argsort(-heights[i, k], kind="stable")]:
+                if not any(np.all(np.abs(centres[i, j] - centres[i, t]) <= 0.5 * sds[i, t]) for t in taken):
+                    taken.append(j)
+            k = taken
+        picks.append(k)
+    for rank in range(max((len(k) for k in picks), default=0)):
+        c, d = np.full((len(tmax), 2), np.nan), np.full((len(tmax), 2), np.nan)
+        for i, k in enumerate(picks):
+            if rank < len(k):
+                c[i], d[i] = centres[i, k[rank]], sds[i, k[rank]]
+        yield c, d
 
 
 class ReparamChannel(PolarRule, Channel):
@@ -432,28 +468,29 @@ class ReparamChannel(PolarRule, Channel):
         across = np.linspace(-4.0, 4.0, 17)
         points, covs, found = [], [], []
         for direction in (1.0, -1.0):
-            x, prev = start.copy(), None
+            x, prev = start.copy(), np.zeros((n, 2, 2))
             C = self._log_f(u, omega, Vinv, const0, np.ascontiguousarray(x), sign, iterations=0)[1]
             alive = np.isfinite(height)
             for _ in range(self.PINNED["ridge"]):
                 alive &= np.isfinite(C).all(axis=(2, 3))
-                if not alive.any():
+                live = np.flatnonzero(alive.any(axis=1))        # the samples with a track still going
+                if not live.size:
                     break
-                w, E = np.linalg.eigh(np.where(alive[..., None, None], C, np.eye(2)))
+                w, E = np.linalg.eigh(np.where(alive[live, :, None, None], C[live], np.eye(2)))
                 e = direction * E[..., 1]
-                if prev is not None:
-                    e = np.where((e * prev).sum(axis=2, keepdims=True) < 0, -e, e)
+                e = np.where((e * prev[live]).sum(axis=2, keepdims=True) < 0, -e, e)
                 perp = np.stack([-e[..., 1], e[..., 0]], axis=2)
                 sd = np.sqrt(np.maximum(w, 0.0))
-                trial = (x + sd[..., 1:] * e)[:, :, None] + (sd[..., :1] * perp)[:, :, None] * across[:, None]
-                lf, Ct = self._log_f(u, omega, Vinv, const0, np.ascontiguousarray(trial.reshape(n, -1, 2)),
-                                     np.repeat(sign, len(across), axis=1), iterations=0)
-                lf, Ct = lf.reshape(n, 2, -1), Ct.reshape(n, 2, -1, 2, 2)
-                k = np.argmax(lf, axis=2)
-                alive &= lf[rows, [[0, 1]], k] > height - self.PINNED["floor"]
-                x, C, prev = trial[rows, [[0, 1]], k], Ct[rows, [[0, 1]], k], e
-                points.append(x)
-                covs.append(C)
+                trial = (x[live] + sd[..., 1:] * e)[:, :, None] + (sd[..., :1] * perp)[:, :, None] * across[:, None]
+                lf, Ct = self._log_f(u[live], omega[live], Vinv[live], const0[live],
+                                     np.ascontiguousarray(trial.reshape(len(live), -1, 2)),
+                                     np.repeat(sign[live], len(across), axis=1), iterations=0)
+                lf, Ct = lf.reshape(len(live), 2, -1), Ct.reshape(len(live), 2, -1, 2, 2)
+                r, k = np.arange(len(live))[:, None], np.argmax(lf, axis=2)
+                alive[live] &= lf[r, [[0, 1]], k] > height[live] - self.PINNED["floor"]
+                x[live], C[live], prev[live] = trial[r, [[0, 1]], k], Ct[r, [[0, 1]], k], e
+                points.append(x.copy())
+                covs.append(C.copy())
                 found.append(alive.copy())
         if not points:
             return np.zeros((n, 0, 2)), np.zeros((n, 0, 2, 2)), np.zeros((n, 0), dtype=bool)
@@ -466,28 +503,28 @@ class ReparamChannel(PolarRule, Channel):
         graded towards the softmax cliffs θ = 0, π/4, π/2 (where one constraint on h_2 holds
         while the other saturates: thin ridges of small mass a coarse box would not see) down
         to ≈ 1/(β t), the cliffs' width at the outer end of each √t interval; every box
-        that meets a peak's window (its centre ± PINNED["window"] Laplace sd in t and θ) cut
-        along the window's edges, its part inside the window into cells of about one sd
-        (``_split_about``), so that the cubature sees every peak however narrow, and its tails;
-        and the box holding each point of ``ridges`` (``_pinned_ridges``) bisected down to the
-        point's sd (``_bisect_about``).  Returns the rows and each sample's start offset."""
-        base = _cliff_grid(*self.PINNED["grid"], self.model.beta * tmax.max())
-        rows, start = [], [0]
-        for i in range(len(tmax)):
-            boxes = base * [tmax[i], 1.0, tmax[i], 1.0]
-            found = np.isfinite(logf[i])
-            for x in np.unique(np.round(peaks[i, found], 6), axis=0):
-                C = cov[i, found][np.argmin(np.abs(peaks[i, found] - x).sum(axis=1))]
-                centre, sd = _polar_sd(x, C)
-                if centre[0] < tmax[i] and np.isfinite(sd).all() and (sd > 0).all():
-                    boxes = _split_about(boxes, centre, sd, self.PINNED["window"], self.PINNED["cells"])
-            for x, C in zip(ridges[0][i, ridges[2][i]], ridges[1][i, ridges[2][i]]):
-                centre, sd = _polar_sd(x, C)
-                if centre[0] < tmax[i] and (sd > 0).all():
-                    boxes = _bisect_about(boxes, centre, sd)
-            rows.append(boxes)
-            start.append(start[-1] + len(boxes))
-        return np.ascontiguousarray(np.concatenate(rows)), np.asarray(start, dtype=np.int64)
+        that meets a peak's window (its centre ± PINNED["window"] Laplace sd in t and θ; peaks
+        within half an sd of a higher one share its window, ``_packed``) cut along the window's
+        edges, its part inside the window into cells of about one sd (``_split_about``), so that
+        the cubature sees every peak however narrow, and its tails; and the box holding each
+        point of ``ridges`` (``_pinned_ridges``) outside the highest peak's window bisected down
+        to the point's sd (``_bisect_about``).  All samples at once (``owner``: each box's
+        sample).  Returns the rows, sample by sample, and each sample's start offset."""
+        n, base = len(tmax), _cliff_grid(*self.PINNED["grid"], self.model.beta * tmax.max())
+        owner = np.repeat(np.arange(n), len(base))
+        boxes = np.tile(base, (n, 1)) * np.stack([tmax, np.ones(n), tmax, np.ones(n)], axis=1)[owner]
+        centres, sds = _polar_sd(peaks, cov)
+        for centre, sd in _packed(centres, sds, np.isfinite(logf), tmax, heights=logf):
+            boxes, owner = _split_about(boxes, owner, centre, sd, self.PINNED["window"], self.PINNED["cells"])
+        top = np.argmax(logf, axis=1)[:, None, None]        # ridge points in the highest peak's window: its cells
+        reach = self.PINNED["window"] * np.take_along_axis(sds, top, axis=1)
+        ridge_centres, ridge_sds = _polar_sd(ridges[0], ridges[1])
+        outside = ~np.all(np.abs(ridge_centres - np.take_along_axis(centres, top, axis=1)) <= reach, axis=2)
+        for centre, sd in _packed(ridge_centres, ridge_sds, ridges[2] & outside, tmax):
+            boxes, owner = _bisect_about(boxes, owner, centre, sd)
+        order = np.argsort(owner, kind="stable")
+        return (np.ascontiguousarray(boxes[order]),
+                np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=n))]).astype(np.int64))
 
     def _pinned(self, y, omega, V, Vinv, logdetV, tol, max_regions=None):
         """Adaptive Genz–Malik cubature over h_1 in coordinates (t = |h_1|², θ), where the prior
