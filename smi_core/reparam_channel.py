@@ -420,7 +420,7 @@ class ReparamChannel(PolarRule, Channel):
             starts[ok, k] = h1[ok]
         return starts, np.broadcast_to([1.0, -1.0], (n, 2))
 
-    def _pinned_peaks(self, u, omega, V, Vinv, logdetV):
+    def _pinned_peaks(self, u, omega, V, Vinv, const0):
         """Local maxima of each term of the integrand over h_1 (Gauss–Newton, ``_quadrature.modes``)
         from the pinned starts, from ±ω_1 and, for each sign of u_2, from two rings about ω_1
         (radii √V₁₁ and 2√V₁₁, 8 angles: a sign without an exact pre-image still has a peak where
@@ -437,7 +437,7 @@ class ReparamChannel(PolarRule, Channel):
         ring_signs = np.repeat([1.0, -1.0], len(phi) * 2)
         signs = np.ascontiguousarray(np.concatenate([pin_signs, signs, np.broadcast_to(ring_signs, (n, ring_signs.size))], axis=1))
         x = np.ascontiguousarray(x)
-        logf, cov = self._log_f(u, omega, Vinv, -(2 * np.log(2 * np.pi) + logdetV), x, signs)
+        logf, cov = self._log_f(u, omega, Vinv, const0, x, signs)
         logf[logf < logf.max(axis=1, keepdims=True) - self.PINNED["floor"]] = -np.inf
         return x, cov, logf, signs
 
@@ -538,8 +538,8 @@ class ReparamChannel(PolarRule, Channel):
         q = diag(0, 0.999) the whitened estimate 1e-5 came with errors up to 7.0e-5, κ up to 249)."""
         n = len(omega)
         u = np.ascontiguousarray(self._u_model.reparametrise(y).u)
-        peaks, cov, logf, signs = self._pinned_peaks(u, omega, V, Vinv, logdetV)
         const0 = -(2 * np.log(2 * np.pi) + logdetV)
+        peaks, cov, logf, signs = self._pinned_peaks(u, omega, V, Vinv, const0)
         ridges = self._pinned_ridges(u, omega, Vinv, const0, peaks, logf, signs)
         tmax = (np.linalg.norm(omega[:, 0], axis=1) + self.PINNED["reach"] * np.sqrt(V[:, 0, 0])) ** 2
         boxes, start = self._pinned_boxes(peaks, cov, logf, tmax, ridges)
