@@ -154,8 +154,9 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
         us = min(times) / len(y) * 1e6
         errs = [ref.metric(m.g_out[i], m.dg_out[i], r.g_out, r.dg_out) for i, r in enumerate(refs)]
         label = ",".join(f"{k}={v}" for k, v in setting.items()) or "default"
+        med, top = (f"{np.median(errs):.1e}", f"{np.max(errs):.1e}") if errs else ("-", "-")   # no references
         print(f"{case:22s} {L:2d} {T:2d} {q:6.{4 if a.pinned else 3}f} {label:20s} {us:10.1f} "
-              f"{np.median(errs):11.1e} {np.max(errs):9.1e} {_median(m.error):>18s}", flush=True)
+              f"{med:>11s} {top:>9s} {_median(m.error):>18s}", flush=True)
 
 
 def adaptive_reference(model, noise, y, omega, V):

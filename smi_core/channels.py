@@ -383,7 +383,8 @@ def _h2_var(V):
 def _settings(option, defaults, changes):
     """``defaults`` with ``changes`` (the channel option ``option``: NoisyChannel's
     ``conditional``, ReparamChannel's ``escalation``): scale > 0 (× the rings' default counts),
-    nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1."""
+    nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1, 0 <
+    angular ≤ 2."""
     out = dict(defaults)
     for key, value in (changes or {}).items():
         if key not in defaults:
@@ -393,7 +394,7 @@ def _settings(option, defaults, changes):
             continue
         integer = key in ("nodes", "rounds")
         low = {"nodes": 3, "rounds": 0, "sd": 0}.get(key)
-        high = {"refine": 1.0}.get(key, np.inf)
+        high = {"refine": 1.0, "angular": 2.0}.get(key, np.inf)
         if (not isinstance(value, (int, np.integer) if integer else (int, float, np.integer, np.floating))
                 or not np.isfinite(value) or (value < low if low is not None else value <= 0) or value > high):
             kind = "an integer" if integer else "a number"

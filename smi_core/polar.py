@@ -149,8 +149,10 @@ class PolarRule:
         reach·√V_ℓℓ), the concentration of the prior on the ring, ∝ e^{k cos(θ - θ₀)}
         (a trapezoid rule needs ∝ k points for small k, ∝ √k for large); d(r) the distance of r
         to the group's |ω_ℓ| (fewer angles where the prior is small: the trapezoid error is
-        relative to the ring's mass).  ``mu``, ``var``: each sample's |ω_ℓ| and V_ℓℓ."""
+        relative to the ring's mass).  ``mu``, ``var``: each sample's |ω_ℓ| and V_ℓℓ.  ``scale``: one
+        number, or (radial, angular) multipliers apart (``_polar_round_scales``)."""
         p = self._polar_params()
+        radial_scale, scale = np.broadcast_to(scale, 2)
         G = group.max() + 1
         lo, hi = np.full(G, np.inf), np.full(G, -np.inf)
         np.minimum.at(lo, group, mu)
@@ -162,7 +164,7 @@ class PolarRule:
         sd = np.sqrt(v)
         a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
         radial = max(p["radial"], p["density"] * ((b - a) / sd).max())
-        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(radial * scale * sharp ** p["pr"]))))
+        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(radial * radial_scale * sharp ** p["pr"]))))
         r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
         dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
         fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))
@@ -251,6 +253,10 @@ class PolarRule:
                 self._polar_fill(nodes[:, bound[sub[0]] - n0:bound[sub[-1] + 1] - n0], m)
             yield n0, n1, nodes
 
+    def _polar_round_scales(self, scale, rounds):
+        """The escalation's rounds: the counts × 1.5 per round in every direction."""
+        return _growing(scale, 1.5, rounds)
+
     @staticmethod
     def _sample_far(rings, group):
         """d(r)²/V_ℓℓ of every sample's group's rings, d the distance to the sample's |ω_ℓ| (to
@@ -309,7 +315,7 @@ class PolarRule:
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         target, rounds = self._polar_escalation(Vinv, error)
         if target is not None:      # _polar_stall: samples not converging are left to the caller
-            scales = _growing(scale, 1.5, rounds)
+            scales = self._polar_round_scales(scale, rounds)
             refine(fine, error, target, rounds, lambda i, k: self._polar_run(
                 u[i], omega[i], V[i], Vinv[i], logdetV[i], scales[k]),
                 lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]), self._polar_stall)
@@ -342,7 +348,7 @@ def _growing(x, factor, rounds):
     """x·factor, (x·factor)·factor, … (``rounds`` values, each from the previous one)."""
     out = []
     for _ in range(rounds):
-        x *= factor
+        x = x * factor
         out.append(x)
     return out
 

@@ -421,7 +421,7 @@ def _channel(model, noise, options):
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE
     if hasattr(channel, "escalation") and channel.T in ESCALATION and not {"tol", "escalation"} & options.keys():
-        channel.escalation = dict(ESCALATION[channel.T])
+        channel.escalation = channel.escalation | ESCALATION[channel.T]
     return channel
 
 

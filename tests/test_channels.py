@@ -615,6 +615,24 @@ def test_reparam_l2_pinned_escalation_refines_past_the_threshold():
     assert old.error.max() > 1e-6
 
 
+def test_reparam_l2_rounds_grow_angles_and_radii_apart():
+    """The finer polar rounds (two layers) multiply the angles by 1.5^a and the radii by
+    1.5^(2 − a), a = ``escalation["angular"]`` (1.2 by default; three layers: 1.5 both): the
+    rings at (radial, angular) multipliers are the rings at the angular one with the radial
+    count scaled apart."""
+    ch = model(2).channel()
+    a = ch.escalation["angular"]
+    assert np.allclose(ch._polar_round_scales(1.0, 2), [[1.5 ** (2 - a), 1.5 ** a], [1.5 ** (4 - 2 * a), 1.5 ** (2 * a)]])
+    assert np.allclose(model(2).channel(escalation=dict(angular=1.0))._polar_round_scales(1.0, 2), [[1.5] * 2, [2.25] * 2])
+    assert np.allclose(model(3).channel()._polar_round_scales(1.0, 2), [1.5, 2.25])
+    group, mu, var = np.zeros(3, dtype=int), np.array([0.1, 0.2, 0.3]), np.full(3, 0.5)
+    both = ch._polar_rings(group, mu, var, np.array([2.0, 3.0]), 1.0)
+    ch.POLAR = dict(ch.POLAR, radial=ch.POLAR["radial"] * 2.0 / 3.0)
+    apart = ch._polar_rings(group, mu, var, 3.0, 1.0)
+    assert len(both.radius[0]) == 2 * ReparamChannel.POLAR["radial"]
+    assert np.array_equal(both.count, apart.count) and np.array_equal(both.x, apart.x)
+
+
 def test_reparam_l2_pinned_last_layer():
     """The last layer pinned (V₂₂ = 1e-3) while h_1 is broad: the posterior over h_1 is a narrow
     peak on a ridge.  The default polar rule was off by 39 here (its estimate 0.63); the
@@ -1678,6 +1696,7 @@ def test_bad_input_t3_inconsistent_output():
     (dict(escalation=dict(rounds=-1)), "escalation"), (dict(escalation=dict(rounds=2.5)), "escalation"),
     (dict(escalation=dict(refine=0.0)), "escalation"), (dict(escalation=dict(refine=2.0)), "escalation"),
     (dict(escalation=dict(refine=float("nan"))), "escalation"), (dict(escalation=dict(nodes=8)), "escalation"),
+    (dict(escalation=dict(angular=0.0)), "escalation"), (dict(escalation=dict(angular=2.5)), "escalation"),
 ])
 def test_bad_channel_options(options, match):
     with pytest.raises(ValueError, match=match):

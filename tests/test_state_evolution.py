@@ -433,7 +433,7 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     channel = _channel(model, noise, None)
     assert channel.escalates and channel.error_estimate and channel.escalate == ESCALATE
     if noise is None:
-        assert channel.escalation == ESCALATION[2]
+        assert channel.escalation == {**ReparamChannel.ESCALATION[2], **ESCALATION[2]}
         assert _channel(model, noise, {"tol": 1e-6}).escalation == ReparamChannel.ESCALATION[2]
         assert _channel(DeepAttention(layers=2, tokens=3), noise, None).escalation == ReparamChannel.ESCALATION[3]
     else:
