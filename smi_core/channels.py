@@ -384,7 +384,7 @@ def _settings(option, defaults, changes):
     """``defaults`` with ``changes`` (the channel option ``option``: NoisyChannel's
     ``conditional``, ReparamChannel's ``escalation``): scale > 0 (× the rings' default counts),
     nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1, 0 <
-    angular ≤ 2."""
+    angular ≤ 2, aspect > 0."""
     out = dict(defaults)
     for key, value in (changes or {}).items():
         if key not in defaults:

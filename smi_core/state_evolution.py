@@ -58,7 +58,7 @@ ESCALATE = 1e-3               # SE's two-layer channel: samples whose estimate i
                               # (the adaptive rule then still ran to 1e-5; to 1e-3: the same q̂ to two
                               # digits, 1.3–3.3× faster at q₂₂ ≥ 0.99)
 FLAG = (1e-2, 0.01)           # a warning where the channel estimates above 1e-2 on > 1 % of the samples
-CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0])   # the noisy route's conditional
+CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0], aspect=1.0)   # the noisy route's conditional
                               # rule in SE (two layers, Δ ≥ 1e-3, a pinned last layer): a third of the
                               # rings' counts and 8 nodes in h_2 of the channel's default, finer rounds
                               # only above FLAG[0].  At Δ = 0.1, 512 draws, q̂ is within 6.8e-5
@@ -66,6 +66,9 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0])   # the noi
                               # diag(0.82, 0.99), diag(0.1, 0.97) (α = 8, 16, 6) at 1/12–1/22 of its
                               # time, estimates above FLAG[0] on ≤ 0.2 % of the samples (no rounds:
                               # 4.4e-4, up to 18 %); the Laplace rule alone puts q̂₁₁ 2–9 % off there
+                              # (aspect 1: with a third of the counts the channel's aspect 2 leaves too
+                              # few radii, 32 draws at Δ = 0.1, q = diag(0, 0.999): median 6.0e-5
+                              # against 2.7e-5 off the rule at 4× the counts)
 ESCALATION = {2: dict(rounds=3, refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
                               # T = 2: three finer polar rounds, then the adaptive rule, to ESCALATE
                               # itself.  The channel's default (eight rounds to a tenth of the

@@ -1554,6 +1554,28 @@ def test_noisy_l2_conditional_rule_pinned_last_layer():
     assert max(worst[0]) <= 1e-4 and min(worst[1]) > 1e-3, worst
 
 
+def test_noisy_l2_conditional_rings_favour_angles():
+    """The conditional rule's rings of h_1 take √aspect × the angles and 1/√aspect × the radii
+    (``conditional["aspect"]``, 2 by default): with h_2 pinned (q = diag(0, 0.999), Δ = 0.1) the
+    posterior over h_1 is narrow across the rays.  On the three of these 24 draws where the
+    rings at aspect 1 are furthest from the rule at 4× the counts and 16 nodes (rounds off;
+    measured 5.2e-5, 3.4e-7, 4.2e-8), aspect 2 is at least 10× closer (4.0e-6, 7.7e-9, 4.1e-10)
+    with about as many nodes."""
+    y, omega, V = se_batch(2, 24, np.diag([0.0, 0.999]), np.random.default_rng(3), noise=0.1)
+    pick = [6, 15, 18]
+    y, omega, n = y[pick], omega[pick], len(pick)
+    Vb = np.broadcast_to(V, (n, 2, 2)).copy()
+    Vinv = np.linalg.inv(Vb)
+
+    def rule(**conditional):
+        ch = model(2).channel(noise=0.1, conditional=dict(rounds=0, **conditional))
+        return ch._assemble(omega, Vb, Vinv, *ch._conditional(y.reshape(n, 4), omega, Vb, Vinv, 1.0))
+    fine = rule(nodes=16, scale=8.0, aspect=1.0)
+    err = {a: np.array([ref.metric(m.g_out[i], m.dg_out[i], fine.g_out[i], fine.dg_out[i]) for i in range(n)])
+           for a, m in ((a, rule(aspect=a)) for a in (1.0, 2.0))}
+    assert (err[2.0] * 10 <= err[1.0]).all() and err[2.0].max() <= 1e-5, err
+
+
 def test_integrate_nodes_against_numpy():
     """``_quadrature.integrate_nodes`` (the conditional rule's product rule) against the weighted
     moments computed directly, with the integrand N(Z; ω, V) N(y; g(Z), Δ I) from the spec's
@@ -1693,6 +1715,7 @@ def test_bad_input_t3_inconsistent_output():
     (dict(noise=0.1, conditional=dict(points=4)), "conditional"),
     (dict(noise=0.1, conditional=dict(escalate=0.0)), "conditional"),
     (dict(noise=0.1, conditional=dict(scale="2")), "conditional"),
+    (dict(noise=0.1, conditional=dict(aspect=0.0)), "conditional"),
     (dict(escalation=dict(rounds=-1)), "escalation"), (dict(escalation=dict(rounds=2.5)), "escalation"),
     (dict(escalation=dict(refine=0.0)), "escalation"), (dict(escalation=dict(refine=2.0)), "escalation"),
     (dict(escalation=dict(refine=float("nan"))), "escalation"), (dict(escalation=dict(nodes=8)), "escalation"),
