@@ -398,9 +398,8 @@ class NoisyChannel(PolarRule, Channel):
     # On 32 draws at Δ = 0.1, q = diag(0, 0.999) (rounds off, against the rule at 4× the counts
     # and 16 nodes): aspect 1 / 1.56 / 2 / 2.8 90th percentile 1.5e-6 / 3.2e-8 / 1.6e-8 / 7.2e-7,
     # max 4.1e-4 / 3.8e-5 / 5.8e-6 / 5.2e-5, 12.7–13.0 ms per sample each (see the README)
-    # escalate: its rounds' target
+    # escalate: its rounds' target (None: ``escalate``, or ``tol``)
     CONDITIONAL = dict(nodes=10, scale=2.0, rounds=3, sd=0.2, escalate=None, aspect=2.0)
-                                                                                # (None: escalate, or tol)
 
     @property
     def _conditional_applies(self):
