@@ -465,8 +465,8 @@ class NoisyChannel(PolarRule, Channel):
         xi = np.stack(np.meshgrid(t, t, indexing="ij")).reshape(2, -1)          # the nodes by columns
         lxi = np.log(np.outer(wt, wt) / np.pi).ravel() + (xi ** 2).sum(axis=0)
         Vinv, logdetV = np.linalg.inv(V), np.linalg.slogdet(V)[1]
-        aspect = np.sqrt(self.conditional["aspect"])
-        owner, x1, lw1 = self._ring_rows(omega, V, scale * np.array([1 / aspect, aspect]), reflect=True)
+        root = np.sqrt(self.conditional["aspect"])           # radii ÷ √aspect, angles × √aspect
+        owner, x1, lw1 = self._ring_rows(omega, V, scale * np.array([1 / root, root]), reflect=True)
         near = ((x1 - omega[owner, 0]) ** 2).sum(axis=1) <= self._polar_params()["reach"] ** 2 * V[owner, 0, 0]
         owner, x1, lw1 = owner[near], x1[near], lw1[near]
         m, s2 = _given_h1(x1, omega[owner], V[owner])

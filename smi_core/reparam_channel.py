@@ -256,8 +256,8 @@ class ReparamChannel(PolarRule, Channel):
     # 14× the time, and on the six draws checked against the reference at n = 20 are within its
     # bound plus 1.6e-5 (three rounds: 5.7e-4 … 9.9 off).  Seven rounds: 2.6× more again.
     # ``angular``: of each round's growth 1.5² in nodes, the angles take 1.5^angular and the radii
-    # 1.5^(2 − angular) (``_polar_round_scales``; T = 3 and three layers: both 1.5).  With the last layer pinned
-    # the pinned posterior's error is mostly angular: on 256 draws at q = diag(0, 0.99), the rule
+    # 1.5^(2 − angular) (``_polar_round_scales``; three layers: both 1.5).  With the last layer
+    # pinned the posterior's error is mostly angular: on 256 draws at q = diag(0, 0.99), the rule
     # without the estimate at 2× / 8× the radii / angles was within 2.1e-8 (90th percentile) in
     # 87 µs per sample, at 8× / 2× 1.2e-4 in 114 µs.  1.2 against 1 (sequential, one core; errors
     # against tol = 1e-9): see the README ("The last layer pinned").

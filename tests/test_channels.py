@@ -622,8 +622,10 @@ def test_reparam_l2_rounds_grow_angles_and_radii_apart():
     count scaled apart."""
     ch = model(2).channel()
     a = ch.escalation["angular"]
-    assert np.allclose(ch._polar_round_scales(1.0, 2), [[1.5 ** (2 - a), 1.5 ** a], [1.5 ** (4 - 2 * a), 1.5 ** (2 * a)]])
-    assert np.allclose(model(2).channel(escalation=dict(angular=1.0))._polar_round_scales(1.0, 2), [[1.5] * 2, [2.25] * 2])
+    assert np.allclose(ch._polar_round_scales(1.0, 2),
+                       [[1.5 ** (2 - a), 1.5 ** a], [1.5 ** (4 - 2 * a), 1.5 ** (2 * a)]])
+    isotropic = model(2).channel(escalation=dict(angular=1.0))
+    assert np.allclose(isotropic._polar_round_scales(1.0, 2), [[1.5] * 2, [2.25] * 2])
     assert np.allclose(model(3).channel()._polar_round_scales(1.0, 2), [1.5, 2.25])
     group, mu, var = np.zeros(3, dtype=int), np.array([0.1, 0.2, 0.3]), np.full(3, 0.5)
     both = ch._polar_rings(group, mu, var, np.array([2.0, 3.0]), 1.0)
