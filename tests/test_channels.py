@@ -1561,7 +1561,7 @@ def test_noisy_l2_conditional_rings_favour_angles():
     (``conditional["aspect"]``, 2 by default): with h_2 pinned (q = diag(0, 0.999), Δ = 0.1) the
     posterior over h_1 is narrow across the rays.  On the three of these 24 draws where the
     rings at aspect 1 are furthest from the rule at 4× the counts and 16 nodes (rounds off;
-    measured 5.2e-5, 3.4e-7, 4.2e-8), aspect 2 is at least 10× closer (4.0e-6, 7.7e-9, 4.1e-10)
+    measured 5.5e-5, 3.2e-7, 3.8e-8), aspect 2 is at least 10× closer (4.1e-6, 7.1e-9, 4.2e-10)
     with about as many nodes."""
     y, omega, V = se_batch(2, 24, np.diag([0.0, 0.999]), np.random.default_rng(3), noise=0.1)
     pick = [6, 15, 18]
