@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _quadrature
+from .quadrature import gauss_legendre
 
 RULE = dict(reach=9.0, window=7.0, legendre=32, hermite=16, angles=128)
 U, SIGMA, LOGDET, POLY = slice(0, 2), slice(2, 6), 6, slice(7, 13)     # the chart kernel's outputs
@@ -99,7 +100,7 @@ def ell_rule(rbar, sd, lo, hi, beta, rule=RULE):
     kinds = np.where(cross[:, None], [0, 1, 0, 1], [3, 2, 3, 0])
     side = np.where(cross[:, None], [1.0, 1.0, -1.0, -1.0], [-1.0, 1.0, 1.0, 1.0])
     base = np.stack([cut0, 0 * a, cut2, 0 * a], 1)[..., None]
-    t, w = np.polynomial.legendre.leggauss(rule.get("outer", rule["legendre"]))
+    t, w = gauss_legendre(rule.get("outer", rule["legendre"]))
     with np.errstate(divide="ignore", invalid="ignore"):
         v = 0.5 * spans.sum(-1)[..., None] + 0.5 * (spans[..., 1] - spans[..., 0])[..., None] * t
         lw = np.log(0.5 * (spans[..., 1] - spans[..., 0]))[..., None] + np.log(w)
@@ -219,7 +220,7 @@ def nodes(chart, params, owner, ell, log_w_ell, pbar, sd, F, m, s, beta, rule=RU
     poly = chart(np.stack([np.ones(N), ell], axis=1), params)[:, POLY].reshape(N, 2, 3)
     box = d_intervals(poly, F[owner], m[owner], s[owner], rule)
     pan = panels(pbar[owner] - k * sd, pbar[owner] + k * sd, ell, beta)     # (N, 3, 2)
-    t, w = np.polynomial.legendre.leggauss(rule["legendre"])
+    t, w = gauss_legendre(rule["legendre"])
     Ds, lws = [], []
     for kind in range(3):                   # each panel ∩ each prior interval (sign, slot)
         lo = np.maximum(box[..., 0], pan[:, None, None, kind, 0])

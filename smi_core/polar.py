@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _quadrature
+from .quadrature import gauss_legendre
 
 
 class Rings(NamedTuple):
@@ -164,7 +165,7 @@ class PolarRule:
         sd = np.sqrt(v)
         a, b = np.maximum(0.0, lo - p["reach"] * sd), hi + p["reach"] * sd
         radial = max(p["radial"], p["density"] * ((b - a) / sd).max())
-        t, wt = np.polynomial.legendre.leggauss(max(4, int(round(radial * radial_scale * sharp ** p["pr"]))))
+        t, wt = gauss_legendre(max(4, int(round(radial * radial_scale * sharp ** p["pr"]))))
         r = a[:, None] + 0.5 * (b - a)[:, None] * (t + 1.0)
         dist = np.maximum(0.0, np.maximum(lo[:, None] - r, r - hi[:, None]))
         fade = np.maximum(0.1, 1.0 - dist ** 2 / (2 * p["fade"] * v[:, None]))

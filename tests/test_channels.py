@@ -23,7 +23,6 @@ Cost: the default run keeps a few examples per property (≈ 2–5 s per L = 2 /
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,6 +39,7 @@ from smi_core import DeepAttention, LinkModel, index_symbols, register_link
 from smi_core import chart
 from smi_core.channels import Channel, _spread_of
 from smi_core.noisy_channel import NoisyChannel
+from smi_core.quadrature import gauss_legendre
 from smi_core.reparam_channel import ReparamChannel
 
 RTOL = 1e-6          # L = 1, 2, noisy
@@ -613,6 +613,17 @@ def test_reparam_l2_pinned_escalation_refines_past_the_threshold():
     assert max(ref.metric(m.g_out[i], m.dg_out[i], exact.g_out[i], exact.dg_out[i]) for i in range(24)) <= 1e-6
     old = model(2).channel(escalation=dict(rounds=3, refine=1.0)).moments(y, omega, V)
     assert old.error.max() > 1e-6
+
+
+def test_gauss_legendre_cache_is_numpys_rule_and_read_only():
+    """The polar rules' radii come from a cache of Gauss–Legendre rules: the same nodes and
+    weights as numpy's, and read-only, so that no caller can change them for the next."""
+    for n in (4, 32, 431):
+        t, w = gauss_legendre(n)
+        assert gauss_legendre(n)[0] is t
+        np.testing.assert_array_equal(np.stack([t, w]), np.stack(np.polynomial.legendre.leggauss(n)))
+        with pytest.raises(ValueError):
+            w[0] = 1.0
 
 
 def test_reparam_l2_rounds_grow_angles_and_radii_apart():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from codegen.cli import GENERATED, main as regenerate, stale
+from codegen.cli import GENERATED, stale
 from codegen.generate import render_all, write
 from codegen.printer import doprint
 from derive.registry import pregenerated

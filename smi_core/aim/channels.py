@@ -19,11 +19,11 @@ from functools import lru_cache
 from itertools import permutations, product
 
 import numpy as np
-import sympy as sp
 from scipy.special import ndtri
 
 from derive import aim as sym
 
+from ..quadrature import gauss_legendre
 from .bvn import log_bvn, log_bvn_partials
 from .orthant import Cone, sobol
 
@@ -83,15 +83,6 @@ class LinearChannel:
         return r * C_inv
 
 
-@lru_cache(maxsize=None)
-def _hardmax2_fns():
-    h = sym.hardmax2()
-    args = (*h["R"], *h["s"], h["V"])
-    g = sp.lambdify(args, [h["g"][p] for p in sym.pairs(2)], "numpy")
-    fisher = sp.lambdify(args, h["fisher"], "numpy")
-    return g, fisher
-
-
 def _hardmax2_ratios(u1, u2, s1, s2, V):
     """log Φ₂ and R_i = ∂_iΦ₂/Φ₂ at κ_i = s_i u_i/√(3V), r = s₁s₂/3."""
     k1, k2 = s1 * u1 / np.sqrt(3 * V), s2 * u2 / np.sqrt(3 * V)
@@ -105,7 +96,7 @@ def _grid_1d(L: float, b: float, n_in: int = N_IN, n_out: int = N_OUT):
     """Nodes and weights on [-L, L] (Lebesgue measure), refined on [-b, b] where the integrand
     varies on the scale of the noise."""
     def gl(lo, hi, n):
-        t, w = np.polynomial.legendre.leggauss(n)
+        t, w = gauss_legendre(n)
         return (lo + hi) / 2 + (hi - lo) / 2 * t, (hi - lo) / 2 * w
     parts = [gl(-L, L, n_in)] if b >= L else [gl(-L, -b, n_out), gl(-b, b, n_in), gl(b, L, n_out)]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -121,7 +112,7 @@ class Hardmax2Channel:
         s2 = np.where(y[:, 1, 1] > 0.5, 1.0, -1.0)
         u1, u2 = omega[:, 0] - omega[:, 1], omega[:, 2] - omega[:, 1]
         _, R1, R2 = _hardmax2_ratios(u1, u2, s1, s2, V)
-        g, _ = _hardmax2_fns()
+        g, _ = sym.hardmax2_numeric()
         return np.stack(np.broadcast_arrays(*g(R1, R2, s1, s2, V)), axis=1)
 
     def log_z(self, y, omega, V):
@@ -132,7 +123,7 @@ class Hardmax2Channel:
     def fisher(self, q: float, V: float) -> float:
         """Σ_y ∫ N(u; 0, qC) Φ₂ Σ(1+δ)g² du over u = (ω₀₀ - ω₀₁, ω₁₁ - ω₀₁), C = [[3, 1], [1, 3]];
         the outputs -s give the same integral as s (u ↦ -u), so s ∈ {(+,+), (+,-)} counted twice."""
-        _, fisher = _hardmax2_fns()
+        _, fisher = sym.hardmax2_numeric()
         if q <= 0:
             u1 = u2 = np.zeros(1)
             w = np.ones(1)
