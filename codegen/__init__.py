@@ -3,6 +3,6 @@
 from .build import compile_module
 from .generate import generate, render_all, render_module
 from .printer import doprint
-from .twin import twin
+from .twin import expressions_twin, twin
 
-__all__ = ["compile_module", "doprint", "generate", "render_all", "render_module", "twin"]
+__all__ = ["compile_module", "doprint", "generate", "render_all", "render_module", "twin", "expressions_twin"]

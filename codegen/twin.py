@@ -27,3 +27,9 @@ def twin(prog: Program):
         return np.stack([np.broadcast_to(np.asarray(v, dtype=float), (len(x),)) for v in values], axis=1)
 
     return run
+
+
+def expressions_twin(args, exprs):
+    """A NumPy function of ``args`` returning ``exprs`` (``lambdify``): derived formulas that are
+    not kernel programs (e.g. the AIM hardmax channel's ratios, derive.aim.hardmax2)."""
+    return sp.lambdify(args, exprs, "numpy")

@@ -77,16 +77,6 @@ def hardmax2() -> dict:
     return {"s": (s1, s2), "V": V, "omega": w, "R": R, "kappa": kappa, "g": g, "fisher": fisher}
 
 
-@lru_cache(maxsize=None)
-def hardmax2_numeric():
-    """``hardmax2``'s g_ab (a list over ``pairs(2)``) and Σ (1+δ_ab) g_ab² as NumPy functions of
-    (R1, R2, s1, s2, V)."""
-    h = hardmax2()
-    args = (*h["R"], *h["s"], h["V"])
-    return (sp.lambdify(args, [h["g"][p] for p in pairs(2)], "numpy"),
-            sp.lambdify(args, h["fisher"], "numpy"))
-
-
 def hardmax_cone(T: int, winners: tuple[int, ...]) -> list[list[int]]:
     """Rows c with c·h > 0 ⟺ row a of h has its maximum at winners[a] (h_{a,w} - h_{a,b} > 0 for
     b ≠ w), over pairs(T); T(T - 1) rows."""

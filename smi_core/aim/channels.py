@@ -21,6 +21,7 @@ from itertools import permutations, product
 import numpy as np
 from scipy.special import ndtri
 
+from codegen import expressions_twin
 from derive import aim as sym
 
 from ..quadrature import gauss_legendre
@@ -83,6 +84,15 @@ class LinearChannel:
         return r * C_inv
 
 
+@lru_cache(maxsize=None)
+def _hardmax2_fns():
+    """derive.aim.hardmax2's g_ab (over ``pairs(2)``) and Σ (1+δ_ab) g_ab² as NumPy functions of
+    (R1, R2, s1, s2, V)."""
+    h = sym.hardmax2()
+    args = (*h["R"], *h["s"], h["V"])
+    return (expressions_twin(args, [h["g"][p] for p in sym.pairs(2)]), expressions_twin(args, h["fisher"]))
+
+
 def _hardmax2_ratios(u1, u2, s1, s2, V):
     """log Φ₂ and R_i = ∂_iΦ₂/Φ₂ at κ_i = s_i u_i/√(3V), r = s₁s₂/3."""
     k1, k2 = s1 * u1 / np.sqrt(3 * V), s2 * u2 / np.sqrt(3 * V)
@@ -112,7 +122,7 @@ class Hardmax2Channel:
         s2 = np.where(y[:, 1, 1] > 0.5, 1.0, -1.0)
         u1, u2 = omega[:, 0] - omega[:, 1], omega[:, 2] - omega[:, 1]
         _, R1, R2 = _hardmax2_ratios(u1, u2, s1, s2, V)
-        g, _ = sym.hardmax2_numeric()
+        g, _ = _hardmax2_fns()
         return np.stack(np.broadcast_arrays(*g(R1, R2, s1, s2, V)), axis=1)
 
     def log_z(self, y, omega, V):
@@ -123,7 +133,7 @@ class Hardmax2Channel:
     def fisher(self, q: float, V: float) -> float:
         """Σ_y ∫ N(u; 0, qC) Φ₂ Σ(1+δ)g² du over u = (ω₀₀ - ω₀₁, ω₁₁ - ω₀₁), C = [[3, 1], [1, 3]];
         the outputs -s give the same integral as s (u ↦ -u), so s ∈ {(+,+), (+,-)} counted twice."""
-        _, fisher = sym.hardmax2_numeric()
+        _, fisher = _hardmax2_fns()
         if q <= 0:
             u1 = u2 = np.zeros(1)
             w = np.ones(1)
