@@ -92,7 +92,8 @@ def _se_row(r) -> dict:
     row |= {f"q_{i + 1}": float(v) for i, v in enumerate(np.diag(r.q))}
     row |= {"prediction_error": r.prediction_error, "plugin_error": r.plugin_error,
             "free_entropy": r.free_entropy, "q_stderr": float(r.q_stderr.max()),
-            "iterations": r.iterations, "samples": r.samples, "converged": r.converged, "start": r.start,
+            "flagged": r.channel_flagged, "iterations": r.iterations, "samples": r.samples,
+            "converged": r.converged, "start": r.start,
             "gap": r.alternative is not None}
     return row
 

@@ -335,6 +335,27 @@ def test_se_step_near_q_equal_identity_with_rounding_asymmetry():
     assert np.isfinite(q_hat).all()
 
 
+def test_fixed_point_reports_what_the_muted_channel_does_not_resolve():
+    """SE runs three layers without the channel's estimate; the fixed point still measures it
+    once (``_Problem.audit``): between the transitions, with the last layer pinned (q =
+    diag(0.31, 0.10, 0.99), where on 256 draws 54 % estimate above FLAG[0]), a share of the
+    draws is flagged and a warning names the regime, and the channel goes back to running
+    without it.  Where the options ask for no estimate, nothing is measured."""
+    from smi_core.state_evolution import _Problem
+    q = np.diag([0.31, 0.10, 0.99])
+    problem = _Problem(DeepAttention(3, 2), None, 0.0, 64, "sobol", np.random.default_rng(0), None)
+    assert problem.channel.error_estimate is False
+    problem.moments(q)
+    assert np.isnan(problem.flagged)
+    with pytest.warns(UserWarning, match="last layer pinned"):
+        share = problem.audit(q)
+    assert 0.2 < share < 1.0 and share == problem.flagged
+    assert problem.channel.error_estimate is False
+    asked = _Problem(DeepAttention(3, 2), None, 0.0, 64, "sobol", np.random.default_rng(0), {"error_estimate": False})
+    asked.moments(q)
+    assert np.isnan(asked.audit(q))
+
+
 def test_jacobian_steps_stay_inside_near_perfect_recovery():
     """A two-layer T = 3 curve (α on np.arange(0.05, 0.75, 0.05), 1024 draws) stopped with 'V
     must be symmetric positive definite' in the Newton check's Jacobian: at q ≈ (1 − V_MIN) I
