@@ -315,9 +315,10 @@ class _Problem:
             return ("the adaptive rule stopped at its budget (its estimate is often far above its "
                     "error there); channel={'max_regions': ...} raises it (slower).")
         if getattr(self.channel, "route", None) == "reparam" and self.model.layers == 3:
-            return ("three layers with the last layer pinned: the rule's per-sample errors largely average out "
-                    "between the transitions, but q̂ is biased by ≈ 10 % on the last rise (README, 'Three "
-                    "layers: the default is not accurate'); channel={'tol': 1e-3} is accurate, at 0.4–4 s per sample.")
+            return ("three layers: where the last layer is pinned (q_LL → 1, the earlier layers broad) the rule's "
+                    "per-sample errors largely average out between the transitions, but q̂ is biased by ≈ 10 % "
+                    "on the last rise (README, 'Three layers: the default is not accurate'); channel={'tol': 1e-3} "
+                    "is accurate, at 0.4–4 s per sample.")
         return "channel={'tol': ...} asks for finer rules (slower)."
 
     def step(self, q: np.ndarray, alpha: float):

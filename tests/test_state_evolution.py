@@ -347,7 +347,7 @@ def test_fixed_point_reports_what_the_muted_channel_does_not_resolve():
     assert problem.channel.error_estimate is False
     problem.moments(q)
     assert np.isnan(problem.flagged)
-    with pytest.warns(UserWarning, match="last layer pinned"):
+    with pytest.warns(UserWarning, match="last layer is pinned"):
         share = problem.audit(q)
     assert 0.2 < share < 1.0 and share == problem.flagged
     assert problem.channel.error_estimate is False
