@@ -31,7 +31,7 @@ def gauss_hermite(n: int, d: int) -> tuple[np.ndarray, np.ndarray]:
 @lru_cache(maxsize=256)
 def gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
     """Gauss–Legendre nodes and weights on [-1, 1] (cached, read-only: the polar rules' radii ask
-    for the same n again and again, and numpy's ``leggauss`` takes ≈ 1 ms at n ≈ 400)."""
+    for the same n again and again, and numpy's ``leggauss`` takes ≈ 12 ms at n = 430)."""
     t, w = np.polynomial.legendre.leggauss(n)
     t.flags.writeable = w.flags.writeable = False
     return t, w
