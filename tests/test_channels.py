@@ -780,6 +780,7 @@ def test_noisy_l1_state_evolution_draws_many(data, noise):
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="known defect of the metric (issue 3 open; found 2026-11-28, failing on 65024dc too): 'softmax edge' draws under large noise say nothing about Z, so (g_out, dg_out) is ≈ 0 and the metric relative to its largest entry is ill-posed. Δ = 0.72, V = 0.072: entries ≈ 1e-13, the reference bounds itself to 1.4 and the channel is 2.9e3 off (8e-11 of ‖V⁻¹‖ in absolute terms; its own estimate 0.83); Δ = 1, V = 0.034: entries ≈ 1e-6, reference bound 1.2e-6, channel 9.9e-7. Wants a floor of the metric at V⁻¹'s scale, not yet decided")
 @examples(40)
 @given(data=st.data(), noise=small_noises)
 def test_noisy_l1_adversarial_many(data, noise):
