@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from channel_reference import metric  # noqa: E402
+from channels import draws  # noqa: E402  (benchmarks/channels.py: state-evolution draws)
 
 from smi_core import DeepAttention  # noqa: E402
 
@@ -47,12 +48,7 @@ def main():
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "figures" / "pinned_posteriors.png"))
     a = p.parse_args()
     model = DeepAttention(2, 2, threads=1)
-    rng = np.random.default_rng(0)
-    qv = np.array([0.0, a.q22])[:, None]
-    omega = np.sqrt(qv) * rng.standard_normal((a.draws, 2, 2))
-    y = model.forward(omega + np.sqrt(1 - qv) * rng.standard_normal((a.draws, 2, 2)))
-    keep = (y > 0).all(axis=(1, 2))
-    y, omega, V = y[keep], omega[keep], np.diag(1 - qv[:, 0])
+    y, omega, V = draws(model, a.q22, a.draws, np.random.default_rng(0), None, pinned=True)
     bare = model.channel(error_estimate=False).moments(y, omega, V)
     fine = model.channel(tol=1e-9).moments(y, omega, V)
     err = np.array([metric(bare.g_out[i], bare.dg_out[i], fine.g_out[i], fine.dg_out[i]) for i in range(len(y))])

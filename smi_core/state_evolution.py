@@ -234,8 +234,7 @@ class _Problem:
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.channel = _channel(model, self.noise, channel_options)
-        asked = hasattr(channel_options, "moments") or {"tol", "error_estimate"} & dict(channel_options or {}).keys()
-        self._muted = not (asked or getattr(self.channel, "error_estimate", True))   # SE turned it off (``audit``)
+        self._muted = not (_estimate_asked(channel_options) or getattr(self.channel, "error_estimate", True))
         self.n_out = int(np.prod(model.output_shape)) if model.output_shape else 1
         self.draws = _Draws(samples, self.R, self.T, self.n_out, self.noise is not None, sampler, rng, xi, spread)
         self.rng = rng
@@ -300,7 +299,7 @@ class _Problem:
         estimate on, so that a fixed point still reports (and warns about) the samples its rule
         does not resolve — e.g. three layers with the last layer pinned, up to 84 % of the draws
         above FLAG[0] at q = diag(0.57, 0.42, 0.9993), at ≈ 1.2× the time of one evaluation."""
-        if self._muted and not np.isfinite(self.flagged):
+        if self._muted:                             # (``moments`` without the estimate left it NaN)
             self.channel.error_estimate = True
             try:
                 self.moments(q)
@@ -440,13 +439,19 @@ def _channel(model, noise, options):
     if noise is not None and options.get("route", "noisy") == "noisy" and not {"tol", "conditional"} & options.keys():
         options["conditional"] = CONDITIONAL
     channel = model.channel(noise=noise, **options)
-    if not ({"tol", "error_estimate"} & options.keys() or channel.escalates or channel.unresolved):
+    if not (_estimate_asked(options) or channel.escalates or channel.unresolved):
         channel.error_estimate = False      # it would only report, or escalate beyond what SE affords
     if channel.escalates and "escalate" not in options:
         channel.escalate = ESCALATE
     if hasattr(channel, "escalation") and channel.T in ESCALATION and not {"tol", "escalation"} & options.keys():
         channel.escalation = channel.escalation | ESCALATION[channel.T]
     return channel
+
+
+def _estimate_asked(options) -> bool:
+    """Whether the channel options settle the estimate themselves (``tol``, ``error_estimate``,
+    or a channel already built), so that SE neither turns it off (``_channel``) nor audits it."""
+    return hasattr(options, "moments") or bool({"tol", "error_estimate"} & dict(options or {}).keys())
 
 
 def _start(start, R: int) -> tuple[np.ndarray, str]:
