@@ -13,8 +13,8 @@ from itertools import product
 import numpy as np
 
 from . import _quadrature, validate
-from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings, _shallow,
-                       _whitening)
+from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _kernel, _keep_lower, _per_token, _settings,
+                       _shallow, _whitening)
 from .polar import PolarRule, _growing
 
 
@@ -152,9 +152,9 @@ class ReparamChannel(PolarRule, Channel):
         self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
         self._u_model = _shallow(model, self.threads, 1)
         if model.layers >= 2:
-            self._node_kernel = model.kernel("node")
-            self._jac_kernel = model.kernel("node_jacobian")
-            self._inverse_kernel = model.kernel("inverse")
+            self._node_kernel = _kernel(model, "node", self.threads)
+            self._jac_kernel = _kernel(model, "node_jacobian", self.threads)
+            self._inverse_kernel = _kernel(model, "inverse", self.threads)
             self._n_node = model.tokens + 1
         if model.layers == 3:
             # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)

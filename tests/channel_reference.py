@@ -125,11 +125,30 @@ class Reference:
     info: dict = field(default_factory=dict)
 
 
-def metric(g, dg, g_ref, dg_ref) -> float:
-    """max abs error over all entries of (g_out, dg_out) / max abs entry of the reference."""
-    err = max(np.abs(np.asarray(g) - g_ref).max(), np.abs(np.asarray(dg) - dg_ref).max())
+# The metric's floor, relative to V⁻¹'s scale (``metric_scale``): an output that says almost
+# nothing about Z (a 'softmax edge' y under noise Δ ≈ 1) has (g_out, dg_out) ≈ 0, entries down to
+# 1e-13 at V = 0.072, and a metric relative to them asks more than float64 gives; with the floor
+# such entries are compared in absolute terms, to rtol · 1e-4 of V⁻¹'s scale (1e-10 at rtol 1e-6).
+# Draws whose largest entry is above it (every informative y) are compared as before.
+METRIC_FLOOR = 1e-4
+
+
+def metric_scale(g_ref, dg_ref, V=None) -> float:
+    """The metric's denominator: the max abs entry of the reference (g_out, dg_out); given V, at
+    least METRIC_FLOOR · max(‖V⁻¹‖, ‖V⁻¹‖^½) (‖·‖ the spectral norm: the scales of dg_out and
+    g_out for an informative y)."""
     scale = max(np.abs(g_ref).max(), np.abs(dg_ref).max())
-    return float(err / scale)
+    if V is not None:
+        norm = 1.0 / np.linalg.eigvalsh(np.asarray(V, dtype=float)).min()
+        scale = max(scale, METRIC_FLOOR * max(norm, math.sqrt(norm)))
+    return float(scale)
+
+
+def metric(g, dg, g_ref, dg_ref, V=None) -> float:
+    """max abs error over all entries of (g_out, dg_out) / ``metric_scale`` (the max abs entry of
+    the reference; given V, floored at V⁻¹'s scale)."""
+    err = max(np.abs(np.asarray(g) - g_ref).max(), np.abs(np.asarray(dg) - dg_ref).max())
+    return float(err / metric_scale(g_ref, dg_ref, V))
 
 
 # -- mpmath helpers ---------------------------------------------------------------------------
