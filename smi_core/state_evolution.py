@@ -69,13 +69,18 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0], aspect=1.0)
                               # (aspect 1: with a third of the counts the channel's aspect 2 leaves too
                               # few radii, 32 draws at Δ = 0.1, q = diag(0, 0.999): median 6.0e-5
                               # against 2.7e-5 off the rule at 4× the counts)
-ESCALATION = {2: dict(rounds=3, refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
-                              # T = 2: three finer polar rounds, then the adaptive rule, to ESCALATE
-                              # itself.  The channel's default (eight rounds to a tenth of the
-                              # target) leaves the same q̂ (≤ 4e-7 from the tol = 1e-7 channel,
-                              # 1 024 draws per q from diag(0, 0.92) to diag(0.95, 0.9995)) but took
-                              # the two-layer curve (1 024 draws) from 28.6 to 36–38 s: SE's pinned
-                              # samples reach the adaptive rule sooner and at a looser target.
+ESCALATION = {2: dict(refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
+                              # T = 2: the channel's eight finer polar rounds, then the adaptive
+                              # rule, to ESCALATE itself (not a tenth of it).  Until 2026-11-29
+                              # three rounds: the adaptive rule is dearer than the late rounds
+                              # since their Gauss–Legendre rules are cached and the kernels run
+                              # on the channel's threads.  One thread, 1 024 draws, process time:
+                              # 0.202 / 0.181 / 0.458 / 0.863 → 0.065 / 0.110 / 0.182 / 0.405 ms
+                              # per sample at q = diag(0.2, 0.99) / diag(0.59, 0.994) /
+                              # diag(0.81, 0.998) / diag(0.95, 0.9995); q̂ the same to 1e-6
+                              # (relative, 512 draws, diag(0, 0.99) … diag(0.9, 0.9995), against
+                              # the tol = 1e-7 channel: both within 1.0e-6); the two-layer curve
+                              # (1 024 draws, 2 threads) the same table, 310 iterations.
                               # T = 3 keeps the channel's six spherical rounds: with three, q̂₂₂ at
                               # q = diag(0, 0.999) was 1446 ± 118 against 727 ± 41 (1 024 draws; 4
                               # and 5 rounds 1309, 869), 45 % of the samples flagged, at 4.8 against
