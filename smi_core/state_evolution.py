@@ -69,8 +69,8 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0], aspect=1.0)
                               # (aspect 1: with a third of the counts the channel's aspect 2 leaves too
                               # few radii, 32 draws at Δ = 0.1, q = diag(0, 0.999): median 6.0e-5
                               # against 2.7e-5 off the rule at 4× the counts)
-ESCALATION = {2: dict(refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
-                              # T = 2: the channel's eight finer polar rounds, then the adaptive
+ESCALATION = {2: dict(rounds=8, refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
+                              # T = 2: eight finer polar rounds (the channel: ten), then the adaptive
                               # rule, to ESCALATE itself (not a tenth of it).  Until 2026-11-29
                               # three rounds: the adaptive rule is dearer than the late rounds
                               # since their Gauss–Legendre rules are cached and the kernels run

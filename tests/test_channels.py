@@ -598,7 +598,7 @@ def _check_l2_default(y, omega, V):
 
 def test_reparam_l2_pinned_escalation_refines_past_the_threshold():
     """Two layers, the last layer pinned (q = diag(0, 0.999)): the samples whose polar estimate
-    is above ``escalate`` are refined to ESCALATION["refine"] × it (eight finer polar rounds,
+    is above ``escalate`` are refined to ESCALATION["refine"] × it (ten finer polar rounds,
     then the adaptive rule), the others kept.  On these 24 draws (all above ``escalate``),
     against the channel at tol = 1e-8: the default within 1e-6 (measured 2.5e-8; three rounds
     to ``escalate`` itself, the rule before 2026-11-28, 1.1e-7) with every refined sample's

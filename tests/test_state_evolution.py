@@ -446,7 +446,8 @@ def test_se_channel_keeps_the_estimate_where_it_escalates(noise):
     POLAR_MIN_NOISE (finer rings of h_1) and at Δ ≥ 1e-3 (the conditional rule, at SE's cheaper
     CONDITIONAL unless the options give ``tol`` or ``conditional``); it escalates from SE's
     ESCALATE, not from the channel's default, and noiseless by SE's ESCALATION (T = 2: eight
-    rounds to ESCALATE itself; T = 3 the channel's six) unless the options give ``tol``."""
+    rounds to ESCALATE itself, the channel's ten to a tenth of it; T = 3 the channel's six)
+    unless the options give ``tol``."""
     from smi_core.noisy_channel import NoisyChannel
     from smi_core.reparam_channel import ReparamChannel
     from smi_core.state_evolution import CONDITIONAL, ESCALATE, ESCALATION, _channel
