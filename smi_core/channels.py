@@ -45,7 +45,6 @@ moments must be right to ≈ 1e-12 of the mass for dg_out = V⁻¹(Cov - V)V⁻�
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -359,19 +358,6 @@ def _entries(m):
     """The entries of (g_out, dg_out) per sample, (n, RT + (RT)²)."""
     n = len(m.g_out)
     return np.concatenate([m.g_out.reshape(n, -1), m.dg_out.reshape(n, -1)], 1)
-
-
-def _kernel(model, kind, threads):
-    """The model's kernel ``kind`` on the channel's threads (a copy: the model's own keeps the
-    model's threads).  With the model's (all cores), ``channel(threads=1)`` still filled the
-    polar rule's node data on every core: beside another busy process, at q = diag(0.9,
-    0.9995) and 25× the nodes, 0.228 of 0.574 s against 0.012 of 0.343 s on one."""
-    kernel = model.kernel(kind)
-    if not threads or threads == kernel.threads:
-        return kernel
-    kernel = copy.copy(kernel)
-    kernel.threads = threads
-    return kernel
 
 
 def _shallow(model, threads, layers):

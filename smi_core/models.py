@@ -5,6 +5,7 @@ readout weights, a link's own parameters) are passed to the kernels at run time.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from itertools import product
 
@@ -33,14 +34,20 @@ class SMIModel:
         self._threads = threads or 0
         self._kernels: dict[str, Kernel] = {}
 
-    def kernel(self, kind: str) -> Kernel:
-        """The kernel ``kind`` (forward, jacobian, mixing, reparam), loaded on first use."""
+    def kernel(self, kind: str, threads: int | None = None) -> Kernel:
+        """The kernel ``kind`` (forward, jacobian, mixing, reparam), loaded on first use; with
+        ``threads`` other than the model's, a copy on those threads (the channels pass theirs:
+        on the model's, ``channel(threads=1)`` filled the polar rule's node data on every core)."""
         if kind not in self._specs:
             raise ValueError(f"{self!r} has no {kind!r} kernel (it has {sorted(self._specs)})")
         if kind not in self._kernels:
             self._kernels[kind] = Kernel(self._specs[kind], self.backend,
                                          siblings=tuple(self._specs.values()), threads=self._threads)
-        return self._kernels[kind]
+        kernel = self._kernels[kind]
+        if threads and threads != kernel.threads:
+            kernel = copy.copy(kernel)
+            kernel.threads = threads
+        return kernel
 
     def channel(self, route: str | None = None, noise: float | None = None, **options):
         """The output channel (spec §4): ``channel.moments(y, omega, V)`` gives log Z_out, g_out

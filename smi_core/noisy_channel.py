@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _quadrature, chart, validate
-from .channels import (DEFAULT_NODES, Channel, Moments, _given_h1, _h2_var, _keep_lower, _kernel, _per_token, _settings,
+from .channels import (DEFAULT_NODES, Channel, Moments, _given_h1, _h2_var, _keep_lower, _per_token, _settings,
                        _shallow)
 from .polar import PolarRule, _growing, _merge, refine
 
@@ -93,8 +93,8 @@ class NoisyChannel(PolarRule, Channel):
         self._polar_applies = attention and (self._preimage or self._delta >= self.POLAR_MIN_NOISE[model.layers])
         self._token = None if attention else _token_channel(model, noise, escalate, options)
         if self._token is None:         # a token-wise link integrates by its one-token channel's kernels
-            self._node_kernel = _kernel(model, "forward", self.threads)
-            self._jac_kernel = _kernel(model, "jacobian", self.threads)
+            self._node_kernel = model.kernel("forward", self.threads)
+            self._jac_kernel = model.kernel("jacobian", self.threads)
         if options.get("max_regions") is None and self._token is None and self.ridges and self.R * self.T > 2:
             self.max_regions = self.SURFACE_REGIONS
         if self._polar_applies:         # T = 2 attention, L ≤ 2: Δ ≥ POLAR_MIN_NOISE[L], or the preimage rule
@@ -102,7 +102,7 @@ class NoisyChannel(PolarRule, Channel):
             self._u_jacobian = self._u_model.kernel("jacobian")
             self._u_reparam = self._u_model.kernel("reparam")
             if model.layers == 2:
-                self._mixing_kernel = _kernel(model, "mixing", self.threads)
+                self._mixing_kernel = model.kernel("mixing", self.threads)
             if self._preimage:
                 self._chart_kernels = self._u_model.kernel("chart"), self._u_model.forward
 

@@ -13,7 +13,7 @@ from itertools import product
 import numpy as np
 
 from . import _quadrature, validate
-from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _kernel, _keep_lower, _per_token, _settings,
+from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
 from .polar import PolarRule, _growing
 
@@ -152,9 +152,9 @@ class ReparamChannel(PolarRule, Channel):
         self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
         self._u_model = _shallow(model, self.threads, 1)
         if model.layers >= 2:
-            self._node_kernel = _kernel(model, "node", self.threads)
-            self._jac_kernel = _kernel(model, "node_jacobian", self.threads)
-            self._inverse_kernel = _kernel(model, "inverse", self.threads)
+            self._node_kernel = model.kernel("node", self.threads)
+            self._jac_kernel = model.kernel("node_jacobian", self.threads)
+            self._inverse_kernel = model.kernel("inverse", self.threads)
             self._n_node = model.tokens + 1
         if model.layers == 3:
             # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
@@ -263,8 +263,9 @@ class ReparamChannel(PolarRule, Channel):
     # against tol = 1e-9): see the README ("The last layer pinned").  Ten rounds (eight until
     # 2026-11-29): the adaptive rule after eight costs more than two more rounds at q₂₂ = 0.9999,
     # 256 draws at diag(0, 0.9999), one core: 26 samples reached it after eight rounds, 6 after
-    # ten, 2.6× less time per sample, the same max error on 128 draws against tol = 1e-8 (3.3e-6,
-    # the draw estimating 1.0e-6); twelve rounds were slower again (round 11's nodes)
+    # ten; the benchmark's pinned draws, 6.7–7.6 against 30.5–35.0 ms per sample; the same max
+    # error on 128 draws against tol = 1e-8 (3.3e-6, the draw estimating 1.0e-6); twelve rounds
+    # were slower again beside a busy process (36 against 15 ms, round 11's nodes)
     ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2), 3: dict(rounds=6, refine=1.0, angular=1.0)}
 
     def _polar_escalation(self, Vinv, error):

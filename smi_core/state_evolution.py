@@ -72,9 +72,10 @@ CONDITIONAL = dict(scale=2 / 3, nodes=8, rounds=2, escalate=FLAG[0], aspect=1.0)
 ESCALATION = {2: dict(rounds=8, refine=1.0)}   # SE's two-layer escalation by T (``ReparamChannel.ESCALATION``):
                               # T = 2: eight finer polar rounds (the channel: ten), then the adaptive
                               # rule, to ESCALATE itself (not a tenth of it).  Until 2026-11-29
-                              # three rounds: the adaptive rule is dearer than the late rounds
-                              # since their Gauss–Legendre rules are cached and the kernels run
-                              # on the channel's threads.  One thread, 1 024 draws, process time:
+                              # three rounds (on 2026-11-28 eight made the curve slower; now the
+                              # adaptive rule is the dearer, the cause not isolated: the late
+                              # rounds' Gauss–Legendre rules were cached since).  One thread,
+                              # 1 024 draws, process time:
                               # 0.202 / 0.181 / 0.458 / 0.863 → 0.065 / 0.110 / 0.182 / 0.405 ms
                               # per sample at q = diag(0.2, 0.99) / diag(0.59, 0.994) /
                               # diag(0.81, 0.998) / diag(0.95, 0.9995); q̂ the same to 1e-6
