@@ -123,7 +123,7 @@ def cmd_demo(a) -> dict:
 
 def add_commands(sub) -> None:
     demo = sub.add_parser("demo", help="two-layer attention: thresholds α₂, α₁, a state-evolution "
-                                       "curve and the staircase figure (≈ 1 minute)")
+                                       "curve and the staircase figure (≈ 20 s on 2 cores)")
     model_args(demo)
     demo.add_argument("--samples", type=int, default=1 << 15, help="draws per threshold evaluation")
     demo.add_argument("--rtol", type=float, default=1e-3)
