@@ -7,6 +7,7 @@ Compiler errors are shown, never swallowed.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -41,10 +42,14 @@ def compile_module(kernels: list[KernelSpec], verbose: bool = True):
     key = "\n".join([text, *compile_args, *link_args, _cpu()])
     name = "smi_" + hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = cache_dir() / name
-    built = sorted(folder.glob(f"{name}*.so")) if folder.exists() else []
-    if built:
-        return _import(name, built[0])
     folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "lock", "w") as lock:    # one compiler per module: other processes (pytest -n,
+        fcntl.flock(lock, fcntl.LOCK_EX)        # MPI ranks) wait here, then import its build
+        built = sorted(folder.glob(f"{name}*.so"))
+        return _import(name, built[0]) if built else _compile(name, folder, text, kernels, verbose)
+
+
+def _compile(name, folder, text, kernels, verbose):
     pyx = folder / f"{name}.pyx"
     pyx.write_text(text)
     if verbose:

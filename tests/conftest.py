@@ -1,4 +1,10 @@
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):   # parallel workers (pytest -n): one thread each, so that
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):   # two workers on two cores do not
+        os.environ.setdefault(var, "1")                         # oversubscribe them
 
 
 def pytest_addoption(parser):

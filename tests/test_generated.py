@@ -2,6 +2,7 @@
 
 ``pytest --update-generated`` rewrites generated/ instead of failing.  The test output reports
 the generation time and the generated-code size per model."""
+import os
 import subprocess
 import sys
 import time
@@ -70,3 +71,20 @@ def test_regenerate_kernels_check_command():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "up to date" in done.stderr
+
+
+def test_on_demand_compile_is_shared_between_processes(tmp_path):
+    """Two processes that need the same on-demand module at once (pytest -n, MPI ranks): one
+    compiles it, the other waits for it under the cache folder's lock and imports the same build."""
+    script = ("import numpy as np\n"
+              "from smi_core import LinkModel, index_symbols, register_link\n"
+              "register_link('lock_cube', index_symbols(1, 1)[0, 0] ** 3)\n"
+              "print(LinkModel('lock_cube').forward(np.full((1, 1, 1), 2.0)).ravel()[0])\n")
+    env = {**os.environ, "SMI_CACHE": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err for _, err in outs]
+    assert [float(out) for out, _ in outs] == [8.0, 8.0]
+    assert sum("smi: compiling kernels" in err for _, err in outs) == 1
+    assert len(list(tmp_path.glob("kernels/*/*.so"))) == 1
