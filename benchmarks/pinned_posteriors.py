@@ -33,9 +33,9 @@ def polar_grid(radius, theta):
 
 
 def logit_grid(a1, a2):
-    """One pre-image h_1 of each logit pair on the grid a1 × a2 (NaN where a_1 + a_2 ≤ 0: none),
-    and log of the measure 1/(2(a_1 + a_2)) (-inf there)."""
-    A1, A2 = np.meshgrid(a1, a2, indexing="ij")
+    """One pre-image h_1 of each logit pair on the grid a2 × a1 (rows a2, as ``polar_grid``'s rows
+    are radii; NaN where a_1 + a_2 ≤ 0: none), and log of the measure 1/(2(a_1 + a_2)) (-inf there)."""
+    A1, A2 = np.meshgrid(a1, a2)
     S = np.where(A1 + A2 > 0, A1 + A2, np.nan)
     return np.stack([A1, -A2], axis=-1) / np.sqrt(S)[..., None], np.nan_to_num(-np.log(2 * S), nan=-np.inf)
 
@@ -89,7 +89,7 @@ def main():
     fig, axes = plt.subplots(2, 3, figsize=(13, 7.5), sharex=True, sharey=True, constrained_layout=True)
     for ax, i in zip(axes.ravel(), np.argsort(err)[::-1]):
         lf = np.maximum(log_posterior(model, u[i], omega[i], V, grid), -40.0)
-        im = ax.pcolormesh(xs, ys, lf.T if a.logits else lf, shading="auto", cmap="viridis")
+        im = ax.pcolormesh(xs, ys, lf, shading="auto", cmap="viridis")
         for cliff in ((0.0,) if a.logits else (0.0, np.pi / 4, np.pi / 2)):
             ax.axvline(cliff, color="w", lw=0.5, ls=":")
         if a.logits:
