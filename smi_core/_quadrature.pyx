@@ -2216,3 +2216,47 @@ cdef void _polar_adaptive_sample(cols_t f, cols_t f1, const double* par, const d
     free(ch)
     free(piece)
     free(work)
+
+
+def logit_product(const double[::1] a1, const double[::1] w1, const long[::1] p1,
+                  const double[::1] a2, const double[::1] w2, const long[::1] p2, double[:, ::1] out,
+                  const long[::1] start):
+    """Nodes of a tensor rule in the logits a = (a_1, a_2) of a T = 2 softmax layer (smi_core.logit_rule):
+    per block k, the product of the axis rules a1[p1[k]:p1[k+1]] (weights w1) and a2[p2[k]:p2[k+1]]
+    (weights w2, ascending) over the wedge S = a_1 + a_2 > 0, written from column start[k] of
+    ``out`` as rows [h_1 (2), log weight] with h_1 = (a_1, −a_2)/√S, the one-layer pre-image of
+    spec §4, and weight w_1 w_2/(2S) (dh_1 = da/(2S)).  start[k + 1] − start[k] must be the
+    block's count (``logit_counts``)."""
+    cdef Py_ssize_t k, i, j, c
+    cdef double S, root
+    for k in range(p1.shape[0] - 1):
+        c = start[k]
+        for i in range(p1[k], p1[k + 1]):
+            for j in range(_first_above(a2, p2[k], p2[k + 1], -a1[i]), p2[k + 1]):
+                S = a1[i] + a2[j]
+                root = sqrt(S)
+                out[0, c], out[1, c] = a1[i] / root, -a2[j] / root
+                out[2, c] = log(w1[i] * w2[j] / (2 * S))
+                c += 1
+
+
+def logit_counts(const double[::1] a1, const long[::1] p1, const double[::1] a2, const long[::1] p2,
+                 long[::1] count):
+    """The number of nodes of each block of ``logit_product``, into ``count``."""
+    cdef Py_ssize_t k, i
+    for k in range(p1.shape[0] - 1):
+        count[k] = 0
+        for i in range(p1[k], p1[k + 1]):
+            count[k] += p2[k + 1] - _first_above(a2, p2[k], p2[k + 1], -a1[i])
+
+
+cdef Py_ssize_t _first_above(const double[::1] x, Py_ssize_t lo, Py_ssize_t hi, double v) noexcept nogil:
+    """The first index in lo:hi of the ascending x with x > v (hi if none)."""
+    cdef Py_ssize_t mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x[mid] > v:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

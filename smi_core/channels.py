@@ -384,13 +384,18 @@ def _settings(option, defaults, changes):
     """``defaults`` with ``changes`` (the channel option ``option``: NoisyChannel's
     ``conditional``, ReparamChannel's ``escalation``): scale > 0 (× the rings' default counts),
     nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1, 0 <
-    angular ≤ 2, aspect > 0."""
+    angular ≤ 2, aspect > 0, logit True or False."""
     out = dict(defaults)
     for key, value in (changes or {}).items():
         if key not in defaults:
             raise ValueError(f"{option} takes {sorted(defaults)}, got {key!r}")
         if key == "escalate" and value is None:
             out[key] = None
+            continue
+        if key == "logit":
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{option}['logit'] must be True or False, got {value!r}")
+            out[key] = bool(value)
             continue
         integer = key in ("nodes", "rounds")
         low = {"nodes": 3, "rounds": 0, "sd": 0}.get(key)

@@ -294,6 +294,12 @@ class PolarRule:
                 _merge((log_z, mean, second), s, out)
         return log_z, mean, second
 
+    def _polar_shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target):
+        """Before the finer rounds: another rule for some of the samples above ``target``, its
+        result (``fine``) and estimate (``error``) written in place where that is below it, and
+        returned for the others as (samples, (log Z, E[Z], Cov[Z], estimate)) for the caller to
+        keep where it beats the rounds (none here: None; two layers pinned: ``ReparamChannel``)."""
+
     def _polar(self, y, omega, V, Vinv, logdetV):
         """``_polar_refined`` without the target: (log_z, E[Z], Cov[Z], error)."""
         return self._polar_refined(y, omega, V, Vinv, logdetV)[:4]
@@ -304,7 +310,8 @@ class PolarRule:
         1.5 (the previous rule as the coarse one) up to three times (or the rounds it gives) while
         the estimate is above it (and, where
         ``_polar_stall`` is set, fell in the last round below that fraction of its previous value).  Returns
-        (log_z, E[Z], Cov[Z], error, the target: None, a number or one per sample)."""
+        (log_z, E[Z], Cov[Z], error, the target: None, a number or one per sample, and what
+        ``_polar_shortcut`` left to the caller)."""
         n, RT = len(omega), self.R * self.T
         u = np.ascontiguousarray(self._polar_input(y))
         ref = np.ascontiguousarray(omega.reshape(n, RT))
@@ -315,14 +322,16 @@ class PolarRule:
             coarse = self._polar_run(u, omega, V, Vinv, logdetV, scale / 1.5)
             error = self._spread([fine, coarse], omega, V, Vinv, ref)
         target, rounds = self._polar_escalation(Vinv, error)
+        spare = None
         if target is not None:      # _polar_stall: samples not converging are left to the caller
+            spare = self._polar_shortcut(u, omega, V, Vinv, logdetV, fine, error, target)
             scales = self._polar_round_scales(scale, rounds)
             refine(fine, error, target, rounds, lambda i, k: self._polar_run(
                 u[i], omega[i], V[i], Vinv[i], logdetV[i], scales[k]),
                 lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]), self._polar_stall)
         log_z, mean, second = fine
         mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
-        return log_z, mean, cov, error, target
+        return log_z, mean, cov, error, target, spare
 
 
 def refine(fine, error, target, rounds, finer, spread, stall=None):

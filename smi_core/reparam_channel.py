@@ -12,9 +12,10 @@ from itertools import product
 
 import numpy as np
 
-from . import _quadrature, validate
+from . import _quadrature, logit_rule, validate
 from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
+from .logit_rule import attention_targets
 from .polar import PolarRule, _growing
 
 
@@ -266,7 +267,7 @@ class ReparamChannel(PolarRule, Channel):
     # ten; the benchmark's pinned draws, 6.7–7.6 against 30.5–35.0 ms per sample; the same max
     # error on 128 draws against tol = 1e-8 (3.3e-6, the draw estimating 1.0e-6); twelve rounds
     # were slower again beside a busy process (36 against 15 ms, round 11's nodes)
-    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2), 3: dict(rounds=6, refine=1.0, angular=1.0)}
+    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
 
     def _polar_escalation(self, Vinv, error):
         """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
@@ -362,7 +363,7 @@ class ReparamChannel(PolarRule, Channel):
         once kept 29 off while estimating 1.4e-4).  L = 3 with ``tol``: samples above
         max(tol, PINNED3["floor"]) are integrated again by the four-dimensional adaptive rule
         (``_pinned3``), kept where its estimate is lower."""
-        log_z, mean, cov, error, target = self._polar_refined(y, omega, V, Vinv, logdetV)
+        log_z, mean, cov, error, target, spare = self._polar_refined(y, omega, V, Vinv, logdetV)
         if self.model.layers == 3:
             target = self._polar_target()
             target = None if target is None else max(target, self.PINNED3["floor"])
@@ -377,7 +378,57 @@ class ReparamChannel(PolarRule, Channel):
                 differ = self._differ(omega[redo], V[redo], Vinv[redo], (log_z[redo], mean[redo], cov[redo]), better)
                 better = (*better[:3], np.maximum(better[3], differ))
             _keep_lower((log_z, mean, cov, error), redo, better)
+        if spare is not None:       # the logit rule where its estimate was above the target
+            _keep_lower((log_z, mean, cov, error), *spare)
         return log_z, mean, cov, error
+
+    # two layers, T = 2, V diagonal (``escalation["logit"]``): samples the polar rule flags whose
+    # windows in θ avoid θ = (½, ½) (smi_core.logit_rule) get the logit rule before the polar
+    # rounds, at nodes[0] and nodes[1] Gauss–Legendre nodes per panel (the estimate: their
+    # difference), then nodes[2], … while the estimate (against the rule before) is above the
+    # rounds' target; kept where it is below, and otherwise at the end where its estimate is
+    # lower than the other rules'.  Those samples took most of the rounds' time: 56 of 128
+    # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
+    # 0.999) 68 % (see the README, "The logit rule").
+    LOGIT = dict(nodes=(8, 10, 12, 16))
+
+    def _polar_shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target):
+        """Two layers, T = 2: the logit rule (``logit_rule``) for the samples above ``target``
+        where it applies, written into ``fine`` and ``error`` where its estimate is below it;
+        returns the samples where it is not and their (log Z, E[Z], Cov[Z], estimate), or None."""
+        if self.model.layers != 2 or self.T != 2 or not self.escalation["logit"]:
+            return None
+        c, beta = self.model.skip, self.model.beta
+        centre, w, meets, applies = logit_rule.windows(u, omega, V, c)
+        idx = np.flatnonzero((error > target) & applies)
+        if not idx.size:
+            return None
+        RT, ref = 4, np.ascontiguousarray(omega.reshape(-1, 4))
+        left, runs, estimate = idx, [], np.full(len(idx), np.inf)
+        for k, n in enumerate(self.LOGIT["nodes"]):
+            todo = np.flatnonzero(~(estimate <= target[idx]))
+            if not todo.size:
+                break
+            s = idx[todo]
+            cols, start, stop = logit_rule.nodes(omega[s], V[s], beta, centre[s], w[s], meets[s], n)
+            self._polar_fill(cols, 2)
+            out = np.empty(len(s)), np.empty((len(s), RT)), np.empty((len(s), RT, RT))
+            _quadrature.integrate_polar(u[s], ref[s], Vinv[s], logdetV[s], np.arange(len(s) + 1), start, stop, cols,
+                                        *out, self.threads)
+            if k:
+                estimate[todo] = self._spread([out, tuple(a[todo] for a in runs)], omega[s], V[s], Vinv[s], ref[s])
+                for a, b in zip(runs, out):
+                    a[todo] = b
+            else:
+                runs = list(out)
+        take = estimate <= target[idx]
+        for total, part in zip(fine, runs):
+            total[idx[take]] = part[take]
+        error[idx[take]] = estimate[take]
+        rest = np.flatnonzero(~take)
+        mean = ref[idx[rest]] + runs[1][rest]
+        return idx[rest], (runs[0][rest], mean, runs[2][rest] - np.einsum("na,nb->nab", runs[1][rest], runs[1][rest]),
+                           estimate[rest])
 
     def _laplace(self, y, omega, V, Vinv, logdetV):
         """The Laplace rule (``Channel._laplace``); L = 2 with ``tol``: every sample is integrated
@@ -426,9 +477,8 @@ class ReparamChannel(PolarRule, Channel):
             h1 = omega[:, 0].copy()
             for _ in range(3):
                 v = _given_h1(h1, omega, V)[0]
-                dv = v[:, 0] - v[:, 1]
-                with np.errstate(divide="ignore", invalid="ignore"):      # dv = 0: no such A
-                    own = (sign * u - c * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
+                own = attention_targets(u, v, c, sign)          # NaN where dv = 0: no such A
+                with np.errstate(invalid="ignore"):
                     ok = np.isfinite(own).all(axis=1) & (own > 0).all(axis=1) & (own < 1).all(axis=1) & (own.sum(axis=1) > 1)
                 A = np.stack([own[:, 0], 1 - own[:, 0], 1 - own[:, 1], own[:, 1]], axis=1).reshape(n, 2, 2)
                 h = np.full((n, 2), np.nan)

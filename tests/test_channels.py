@@ -36,7 +36,7 @@ from hypothesis.extra.numpy import arrays
 import channel_reference as ref
 from reference import Model
 from smi_core import DeepAttention, LinkModel, index_symbols, register_link
-from smi_core import chart
+from smi_core import chart, logit_rule
 from smi_core.channels import Channel, _spread_of
 from smi_core.noisy_channel import NoisyChannel
 from smi_core.quadrature import gauss_legendre
@@ -698,7 +698,7 @@ PINNED_RIDGES = {"draw-119": ([2.15895513e-13, 9.93471053e-01], [-3.89922675, 0.
 
 
 @pytest.mark.parametrize("draw", list(PINNED_RIDGES))
-def test_reparam_l2_pinned_ridge(draw):
+def test_reparam_l2_pinned_ridge(draw, monkeypatch):
     """The posterior over h_1 is a narrow ridge.  Before 2026-11-28 the adaptive rule's initial
     boxes were bisected down to the peak's sd only, leaving long thin siblings whose nodes
     straddled the ridge's tails: draw 119 (y₁₂ = 2.2e-13, the ridge sd 0.007 × 0.026) lost 42 %
@@ -708,16 +708,48 @@ def test_reparam_l2_pinned_ridge(draw):
     the peak's window; `tol=1e-7` was 4.5e-5 off estimating 5.2e-7 until the boxes followed the
     ridge.  Draw 74 was 2.3e-2 off both by default and at `tol=1e-8`, so that comparing the two
     did not show it.  The mpmath reference agrees on draw 119 with an integration in other
-    coordinates (d = h₁₁ - h₁₂, m = (h₁₁ + h₁₂)/2) to 3e-14 in log Z."""
+    coordinates (d = h₁₁ - h₁₂, m = (h₁₁ + h₁₂)/2) to 3e-14 in log Z.  Since 2026-12-01 the
+    logit rule takes these four draws by default (their windows avoid θ = (½, ½)), so the
+    adaptive rule is checked with it off (``escalation={"logit": False}``), and the test checks
+    that by default the logit rule ran and its result stood."""
     (a, b), w2 = PINNED_RIDGES[draw]
     y = np.array([[1.0 - a, a], [b, 1.0 - b]])
     omega = np.array([[0.0, 0.0], w2])
     V = np.diag([1.0, 1e-4])
     r = ref.reparam_l2(y, omega, V)
     assert r.error <= 1e-7          # measured 1.1e-8 / 9.3e-9 / 1.7e-9 / 9.8e-9: ample for RTOL
-    for ch in (model(2).channel(), channel(2)):
+    taken, shortcut = [], ReparamChannel._polar_shortcut
+
+    def spy(self, u, omega, V, Vinv, logdetV, fine, error, target):
+        before = error.copy()
+        shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target)
+        taken.append(bool(error[0] < before[0] and error[0] <= target[0]))
+
+    monkeypatch.setattr(ReparamChannel, "_polar_shortcut", spy)
+    for ch in (model(2).channel(), channel(2), model(2).channel(escalation={"logit": False})):
         mo = ch.moments(y[None], omega[None], V)
         assert ref.metric(mo.g_out[0], mo.dg_out[0], r.g_out, r.dg_out) <= RTOL, (mo.log_z[0], r.log_z, mo.error[0])
+    assert taken[0] and not taken[2], taken      # with tol=1e-7 (taken[1]) it stands only below 1e-8
+
+
+def test_logit_rule_windows():
+    """θ* solves (cI + A(θ*)) ω_2 = ±u_2 (A row-stochastic with diagonal θ*); the rule leaves out
+    windows that hold θ = (½, ½), correlated layers (V₁₂ ≠ 0) and ω_21 = ω_22."""
+    rng = np.random.default_rng(3)
+    c = 0.7
+    u, omega = rng.standard_normal((5, 2)), rng.standard_normal((5, 2, 2))
+    V = np.broadcast_to(np.diag([1.0, 1e-6]), (5, 2, 2)).copy()
+    centre, w, meets, applies = logit_rule.windows(u, omega, V, c)
+    for i, k in np.ndindex(5, 2):
+        p, r = centre[i, k]
+        A = np.array([[p, 1 - p], [1 - r, r]])
+        assert np.allclose((c * np.eye(2) + A) @ omega[i, 1], (1 - 2 * k) * u[i], atol=1e-12)
+    assert np.allclose(w, 1e-3 * (c + np.sqrt(2)) / np.abs(omega[:, 1, 0] - omega[:, 1, 1]))
+    # a window about (½, ½): ω_2 = (1, 0), u_2 = Φ(½, ½) ω_2 = (c + ½, ½)
+    om = np.array([[[0.0, 0.0], [1.0, 0.0]]] * 3)
+    Vs = np.array([np.diag([1.0, 1e-6]), np.diag([1.0, 1e-6]), [[1.0, 1e-4], [1e-4, 1e-6]]])
+    uu = np.array([[c + 0.5, 0.5], [c + 0.8, 0.1], [c + 0.8, 0.1]])
+    assert logit_rule.windows(uu, om, Vs, c)[3].tolist() == [False, True, False]
 
 
 @st.composite

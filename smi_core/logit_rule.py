@@ -1,0 +1,98 @@
+"""Two layers, T = 2, the last layer pinned and V diagonal: a tensor rule in layer 1's logits.
+
+The likelihood depends on h_1 only through the attention weights θ = (p, r) = σ(β a) of the
+logits a = (h_11(h_11 − h_12), h_12(h_12 − h_11)) (spec §2), and with V₁₂ = 0 it is, per sign
+of u_2, the Gaussian N(±u_2; Φ ω_2, V₂₂ Φ Φᵀ), Φ = cI + A(θ): Φ ω_2 is affine in θ, so the
+posterior over θ lies within k·w of the θ* with Φ(θ*) ω_2 = ±u_2 (``attention_targets``), w =
+√V₂₂ (c + √2)/|ω_21 − ω_22| (‖Φ‖ ≤ c + √2 bounds the likelihood outside by e^{−k²/2}).  In a
+the walls of that window are straight lines, and the prior's density over a,
+Σ_± N(±h_1; ω_1, V₁₁)/(2(a_1 + a_2)) (h_1 = (a_1, −a_2)/√(a_1 + a_2), the one-layer pre-image of
+spec §4, and its reflection), is smooth there unless the window holds a = 0 (θ = (½, ½), where
+the density is ∝ 1/|a|); those samples are left to the other rules.  Each axis is cut at the
+walls θ*_t + j·w (``WALLS``) and, where the window reaches θ_t = 0 or 1, by panels doubling in
+length out to the prior's reach; Gauss–Legendre on every panel, the tensor product over the
+wedge a_1 + a_2 > 0 (every node carries the reflections ±h_1 and both signs of u_2, as the
+polar rule's nodes do: ``_quadrature.integrate_polar``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _quadrature
+from .quadrature import gauss_legendre
+
+WALLS = np.array([-9.0, -6.0, -4.0, -2.5, -1.25, 0.0, 1.25, 2.5, 4.0, 6.0, 9.0])   # in units of w
+REACH = 45.0                    # the prior is cut at e^-REACH: |h_1| ≤ |ω_1| + √(2 REACH V₁₁)
+TAIL = 4.0                      # the tails' panels grow by this factor
+
+
+def attention_targets(u, v, skip, sign):
+    """θ* = (A_11, A_22) with (cI + A) v = sign·u for a row-stochastic 2×2 A (linear in its two
+    free entries), per row of u, v (n, 2); NaN where v_1 = v_2."""
+    dv = v[:, 0] - v[:, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (sign * u - skip * v - v[:, ::-1]) / np.stack([dv, -dv], axis=1)
+
+
+def windows(u, omega, V, skip):
+    """Per sample: the window centres θ* (n, 2 signs, 2), their half-width unit w (n,), which
+    signs' windows meet the attention's range (n, 2), and whether the rule applies (n,): V₁₂ =
+    0, some sign's window meets the range, no window holds θ = (½, ½), and the two windows do
+    not overlap (each node sums both signs: overlapping windows would count one twice)."""
+    reach = WALLS[-1]
+    d = omega[:, 1, 0] - omega[:, 1, 1]
+    with np.errstate(divide="ignore"):
+        w = np.sqrt(V[:, 1, 1]) * (skip + np.sqrt(2.0)) / np.abs(d)
+    centre = np.stack([attention_targets(u, omega[:, 1], skip, s) for s in (1.0, -1.0)], axis=1)
+    lo, hi = centre - reach * w[:, None, None], centre + reach * w[:, None, None]
+    with np.errstate(invalid="ignore"):
+        meets = (hi > 0).all(axis=2) & (lo < 1).all(axis=2) & (hi.sum(axis=2) > 1)
+        cusp = ((lo < 0.5) & (hi > 0.5)).all(axis=2)
+        overlap = (np.abs(centre[:, 0] - centre[:, 1]) < 2 * reach * w[:, None]).all(axis=1)
+    applies = ((V[:, 0, 1] == 0) & np.isfinite(w) & meets.any(axis=1) & ~(cusp & meets).any(axis=1)
+               & ~(overlap & meets.all(axis=1)))
+    return centre, w, meets, applies
+
+
+def _axis(centre, w, beta, reach, step):
+    """Panel ends in a_t of one axis: the walls θ*_t + j·w inside (0, 1) as logits, and where
+    the window passes θ_t = 0 or 1, panels doubling from ``step`` out to ±reach."""
+    theta = centre + w * WALLS
+    inner = theta[(theta > 0) & (theta < 1)]
+    ends = list((np.log(inner) - np.log1p(-inner)) / beta)
+    for side, past in ((-1.0, theta[0] <= 0), (1.0, theta[-1] >= 1)):
+        if past:
+            start = (ends[0] if side < 0 else ends[-1]) if ends else 0.0
+            k = np.arange(1, 64)
+            tail = start + side * step * (TAIL ** k - 1) / (TAIL - 1)
+            tail = list(tail[side * tail < reach]) + [side * reach]
+            ends = tail[::-1] + ends if side < 0 else ends + tail
+    return np.unique(np.clip(ends, -reach, reach))
+
+
+def _panels(ends, x, wt):
+    """Gauss–Legendre (nodes x, weights wt on [-1, 1]) on every panel between ``ends``."""
+    half, mid = np.diff(ends)[:, None] / 2, (ends[1:] + ends[:-1])[:, None] / 2
+    return (mid + half * x).ravel(), (half * wt).ravel()
+
+
+def nodes(omega, V, beta, centre, w, meets, n):
+    """The rule's nodes for the samples given (all must apply), n Gauss–Legendre nodes per
+    panel: rows [h_1 (2), log weight, 5 rows for Φ⁻¹ and log|det Φ| (left to the caller's
+    inverse kernel)] by columns, and per sample its range start:stop of columns."""
+    x, wt = gauss_legendre(n)
+    reach = 1.21 * (np.linalg.norm(omega[:, 0], axis=1) + np.sqrt(2 * REACH * V[:, 0, 0])) ** 2   # |a_t| ≤ 1.21 |h_1|²
+    step = np.minimum(0.5 * V[:, 0, 0], 0.5 / beta)
+    sample, sign = np.nonzero(meets)
+    axes = [[_panels(_axis(centre[i, s, t], w[i], beta, reach[i], step[i]), x, wt) for i, s in zip(sample, sign)]
+            for t in range(2)]
+    (a1, w1, p1), (a2, w2, p2) = [(np.concatenate([r[0] for r in rules]), np.concatenate([r[1] for r in rules]),
+                                   np.concatenate([[0], np.cumsum([len(r[0]) for r in rules])]))
+                                  for rules in axes]
+    count = np.empty(len(sample), dtype=np.int64)
+    _quadrature.logit_counts(a1, p1, a2, p2, count)
+    first = np.concatenate([[0], np.cumsum(count)])
+    cols = np.empty((8, first[-1]))
+    _quadrature.logit_product(a1, w1, p1, a2, w2, p2, cols, first)
+    stop = np.cumsum(np.bincount(sample, weights=count, minlength=len(omega)).astype(np.int64))
+    return cols, np.concatenate([[0], stop[:-1]]), stop
