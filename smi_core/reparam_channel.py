@@ -404,7 +404,7 @@ class ReparamChannel(PolarRule, Channel):
         if not idx.size:
             return None
         RT, ref = 4, np.ascontiguousarray(omega.reshape(-1, 4))
-        left, runs, estimate = idx, [], np.full(len(idx), np.inf)
+        runs, estimate = [], np.full(len(idx), np.inf)
         for k, n in enumerate(self.LOGIT["nodes"]):
             todo = np.flatnonzero(~(estimate <= target[idx]))
             if not todo.size:
