@@ -384,13 +384,15 @@ class ReparamChannel(PolarRule, Channel):
 
     # two layers, T = 2, V diagonal (``escalation["logit"]``): samples the polar rule flags whose
     # windows in θ avoid θ = (½, ½) (smi_core.logit_rule) get the logit rule before the polar
-    # rounds, at nodes[0] and nodes[1] Gauss–Legendre nodes per panel (the estimate: their
-    # difference), then nodes[2], … while the estimate (against the rule before) is above the
-    # rounds' target; kept where it is below, and otherwise at the end where its estimate is
-    # lower than the other rules'.  Those samples took most of the rounds' time: 56 of 128
+    # rounds, at nodes[start] and the next count of Gauss–Legendre nodes per panel (from
+    # nodes[0] where the target is at least ``loose``: state evolution's 1e-3) — the estimate
+    # their difference — then the next while the estimate is above the rounds' target; kept
+    # where it is below, and otherwise at the end where its estimate is lower than the other
+    # rules'.  Max error on the samples it takes at q = diag(0, 0.9999) / diag(0, 0.999): 5 nodes
+    # 4.5e-3 / 7.9e-4, 6 1.2e-4 / 8.3e-5, 8 1.0e-5 / 1.5e-6, 10 4.4e-7 / 1.4e-8.  Those samples took most of the rounds' time: 56 of 128
     # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
     # 0.999) 68 % (see the README, "The logit rule").
-    LOGIT = dict(nodes=(8, 10, 12, 16))
+    LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4)
 
     def _polar_shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target):
         """Two layers, T = 2: the logit rule (``logit_rule``) for the samples above ``target``
@@ -403,24 +405,28 @@ class ReparamChannel(PolarRule, Channel):
         idx = np.flatnonzero((error > target) & applies)
         if not idx.size:
             return None
-        RT, ref = 4, np.ascontiguousarray(omega.reshape(-1, 4))
-        runs, estimate = [], np.full(len(idx), np.inf)
+        RT, ref, m = 4, np.ascontiguousarray(omega.reshape(-1, 4)), len(idx)
+        runs = np.empty(m), np.empty((m, RT)), np.empty((m, RT, RT))
+        estimate, ran = np.full(m, np.inf), np.zeros(m, dtype=bool)
+        first = np.where(target[idx] >= self.LOGIT["loose"], 0, self.LOGIT["start"])
         for k, n in enumerate(self.LOGIT["nodes"]):
-            todo = np.flatnonzero(~(estimate <= target[idx]))
+            todo = np.flatnonzero((first <= k) & ~(estimate <= target[idx]))
             if not todo.size:
-                break
+                continue
             s = idx[todo]
             cols, start, stop = logit_rule.nodes(omega[s], V[s], beta, centre[s], w[s], meets[s], n)
             self._polar_fill(cols, 2)
             out = np.empty(len(s)), np.empty((len(s), RT)), np.empty((len(s), RT, RT))
             _quadrature.integrate_polar(u[s], ref[s], Vinv[s], logdetV[s], np.arange(len(s) + 1), start, stop, cols,
                                         *out, self.threads)
-            if k:
-                estimate[todo] = self._spread([out, tuple(a[todo] for a in runs)], omega[s], V[s], Vinv[s], ref[s])
-                for a, b in zip(runs, out):
-                    a[todo] = b
-            else:
-                runs = list(out)
+            again = ran[todo]
+            if again.any():
+                t = todo[again]
+                estimate[t] = self._spread([tuple(a[again] for a in out), tuple(a[t] for a in runs)],
+                                           omega[idx[t]], V[idx[t]], Vinv[idx[t]], ref[idx[t]])
+            for a, b in zip(runs, out):
+                a[todo] = b
+            ran[todo] = True
         take = estimate <= target[idx]
         for total, part in zip(fine, runs):
             total[idx[take]] = part[take]
