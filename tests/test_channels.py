@@ -732,6 +732,21 @@ def test_reparam_l2_pinned_ridge(draw, monkeypatch):
     assert taken[0] and not taken[2], taken      # with tol=1e-7 (taken[1]) it stands only below 1e-8
 
 
+def test_reparam_l2_logit_rule_draw_the_rounds_miss():
+    """Benchmark draw 53 at q = diag(0, 0.9999) (y near the identity): the polar rounds and the
+    adaptive rule were 2.1e-3 off the mpmath reference there by default and at tol = 1e-9
+    (estimate 3.1e-6); the logit rule, which takes it by default since 2026-12-01, 2.4e-8."""
+    y = np.array([[0.9999999883482783, 1.1651721570595643e-08], [1.4653529090777638e-09, 0.999999998534647]])
+    omega = np.array([[0.0, 0.0], [1.8968069066937314, -2.35962280532581]])
+    V = np.diag([1.0, 1e-4])
+    r = ref.reparam_l2(y, omega, V)
+    assert r.error <= 1e-7
+    errors = [ref.metric(mo.g_out[0], mo.dg_out[0], r.g_out, r.dg_out)
+              for mo in (model(2).channel(**options).moments(y[None], omega[None], V)
+                         for options in ({}, {"escalation": {"logit": False}}))]
+    assert errors[0] <= RTOL and errors[1] > 1e-4, errors
+
+
 def test_logit_rule_windows():
     """θ* solves (cI + A(θ*)) ω_2 = ±u_2 (A row-stochastic with diagonal θ*); the rule leaves out
     windows that hold θ = (½, ½), correlated layers (V₁₂ ≠ 0) and ω_21 = ω_22."""
