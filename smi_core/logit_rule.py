@@ -9,7 +9,7 @@ the walls of that window are straight lines, and the prior's density over a,
 Σ_± N(±h_1; ω_1, V₁₁)/(2(a_1 + a_2)) (h_1 = (a_1, −a_2)/√(a_1 + a_2), the one-layer pre-image of
 spec §4, and its reflection), is smooth there unless the window holds a = 0 (θ = (½, ½), where
 the density is ∝ 1/|a|); those samples are left to the other rules.  Each axis is cut at the
-walls θ*_t + j·w (``WALLS``) and, where the window reaches θ_t = 0 or 1, by panels doubling in
+walls θ*_t + j·w (``WALLS``) and, where the window reaches θ_t = 0 or 1, by panels growing ×TAIL in
 length out to the prior's reach; Gauss–Legendre on every panel, the tensor product over the
 wedge a_1 + a_2 > 0 (every node carries the reflections ±h_1 and both signs of u_2, as the
 polar rule's nodes do: ``_quadrature.integrate_polar``).
@@ -56,7 +56,7 @@ def windows(u, omega, V, skip):
 
 def _axis(centre, w, beta, reach, step):
     """Panel ends in a_t of one axis: the walls θ*_t + j·w inside (0, 1) as logits, and where
-    the window passes θ_t = 0 or 1, panels doubling from ``step`` out to ±reach."""
+    the window passes θ_t = 0 or 1, panels growing ×TAIL from ``step`` out to ±reach."""
     theta = centre + w * WALLS
     inner = theta[(theta > 0) & (theta < 1)]
     ends = list((np.log(inner) - np.log1p(-inner)) / beta)

@@ -526,8 +526,10 @@ class ReparamChannel(PolarRule, Channel):
                           np.ascontiguousarray(omega.reshape(n, 4)), Vinv, const0, x,
                           np.ascontiguousarray(signs, dtype=float), logf, hess, 2, 2, self._n_node, 0.0,
                           iterations=iterations, threads=self.threads)
-        with np.errstate(invalid="ignore"):
-            cov = np.linalg.inv(hess + 1e-300 * np.eye(2))
+        det = hess[..., 0, 0] * hess[..., 1, 1] - hess[..., 0, 1] * hess[..., 1, 0]
+        adj = np.stack([hess[..., 1, 1], -hess[..., 0, 1], -hess[..., 1, 0], hess[..., 0, 0]], axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):     # a singular Hessian (e.g. skip = 0): NaN or inf
+            cov = (adj / det[..., None]).reshape(hess.shape)
         return np.where(np.isfinite(logf), logf, -np.inf), cov
 
     def _pinned_ridges(self, u, omega, Vinv, const0, peaks, logf, signs):

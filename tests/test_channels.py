@@ -747,6 +747,20 @@ def test_reparam_l2_logit_rule_draw_the_rounds_miss():
     assert errors[0] <= RTOL and errors[1] > 1e-4, errors
 
 
+def test_reparam_l2_pinned_without_skip_runs():
+    """skip = 0 (Φ = A, singular on θ_1 + θ_2 = 1): the adaptive rule's Gauss–Newton Hessians can
+    be singular; until 2026-12-01 that raised numpy's LinAlgError from inside the channel (35 of
+    these 96 state-evolution draws at q = diag(0, 0.9999) reach that rule)."""
+    m = model(2, skip=0.0)
+    rng = np.random.default_rng(5)
+    q = np.array([0.0, 0.9999])[:, None]
+    omega = np.sqrt(q) * rng.standard_normal((96, 2, 2))
+    y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((96, 2, 2)))
+    keep = (y > 0).all(axis=(1, 2))
+    mo = m.channel().moments(y[keep], omega[keep], np.diag(1 - q[:, 0]))
+    assert np.isfinite(mo.dg_out).all() and np.isfinite(mo.error).all()
+
+
 def test_logit_rule_windows():
     """θ* solves (cI + A(θ*)) ω_2 = ±u_2 (A row-stochastic with diagonal θ*); the rule leaves out
     windows that hold θ = (½, ½), correlated layers (V₁₂ ≠ 0) and ω_21 = ω_22."""
