@@ -51,7 +51,7 @@ import numpy as np
 
 from . import _quadrature, validate
 from .kernels import first_bad_row
-from .polar import refine
+from .polar import _about, refine
 from .quadrature import gauss_hermite, partition, sobol_normal
 
 ROUTES = ("reparam", "noisy", "closed")
@@ -224,9 +224,7 @@ class Channel:
                 error[redo[ok]] = achieved[ok]
                 for a, b in zip(fine, better):
                     a[redo[ok]] = b[ok]
-        log_z, mean, second = fine
-        cov = second - mean[:, :, None] * mean[:, None, :]
-        return log_z, ref + mean, cov, error
+        return (*_about(ref, *fine), error)
 
     def _laplace_target(self):
         """The estimate above which the Laplace rule grows its nodes (None: never)."""
@@ -299,8 +297,7 @@ class Channel:
 
     def _spread(self, runs, omega, V, Vinv, ref):
         """``_differ`` of runs (log Z, E[Z] - ref, E[(Z - ref)(Z - ref)ᵀ])."""
-        return self._differ(omega, V, Vinv, *[(log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :])
-                                              for log_z, mean, second in runs])
+        return self._differ(omega, V, Vinv, *[_about(ref, *run) for run in runs])
 
     def _differ(self, omega, V, Vinv, *results):
         """``_spread_of`` the moments of results (log Z, E[Z], Cov[Z], ...) of the same samples."""

@@ -9,7 +9,7 @@ import numpy as np
 from . import _quadrature, chart, validate
 from .channels import (DEFAULT_NODES, Channel, Moments, _given_h1, _h2_var, _keep_lower, _per_token, _settings,
                        _shallow)
-from .polar import PolarRule, _growing, _merge, refine
+from .polar import PolarRule, _about, _growing, _merge, refine
 
 
 def _token_channel(model, noise, escalate, options):
@@ -447,8 +447,7 @@ class NoisyChannel(PolarRule, Channel):
         refine(fine, error, target, c["rounds"], lambda i, k: self._conditional_run(
             y[i], omega[i], V[i], scales[k], nodes + 2 * (k + 1)),
             lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]))
-        log_z, mean, second = fine
-        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], error
+        return (*_about(ref, *fine), error)
 
     def _conditional_run(self, y, omega, V, scale, count):
         """One pass of the conditional rule: h_1's rings at ``scale`` (radii × 1/√aspect, angles ×

@@ -329,9 +329,7 @@ class PolarRule:
             refine(fine, error, target, rounds, lambda i, k: self._polar_run(
                 u[i], omega[i], V[i], Vinv[i], logdetV[i], scales[k]),
                 lambda i, runs: self._spread(runs, omega[i], V[i], Vinv[i], ref[i]), self._polar_stall)
-        log_z, mean, second = fine
-        mean, cov = ref + mean, second - mean[:, :, None] * mean[:, None, :]
-        return log_z, mean, cov, error, target, spare
+        return (*_about(ref, *fine), error, target, spare)
 
 
 def refine(fine, error, target, rounds, finer, spread, stall=None):
@@ -408,6 +406,12 @@ def _sphere_rule(N):
     theta, log_w = _half_circles(Nj)
     unit = np.stack([rho[j] * np.cos(theta), rho[j] * np.sin(theta), z[j]], axis=1)
     return unit, np.log(wz[j]) + log_w
+
+
+def _about(ref, log_z, mean, second):
+    """(log Z, E[Z], Cov[Z]) from a pass's sums about ``ref``: mean = E[Z − ref], second =
+    E[(Z − ref)(Z − ref)ᵀ]."""
+    return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :]
 
 
 def _merge(total, idx, part):

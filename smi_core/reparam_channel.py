@@ -16,7 +16,7 @@ from . import _quadrature, logit_rule, validate
 from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
 from .logit_rule import attention_targets
-from .polar import PolarRule, _growing
+from .polar import PolarRule, _about, _growing
 
 
 def _cliff_grid(nr, nth, beta_tmax, max_grade=12):
@@ -432,9 +432,7 @@ class ReparamChannel(PolarRule, Channel):
             total[idx[take]] = part[take]
         error[idx[take]] = estimate[take]
         rest = np.flatnonzero(~take)
-        mean = ref[idx[rest]] + runs[1][rest]
-        return idx[rest], (runs[0][rest], mean, runs[2][rest] - np.einsum("na,nb->nab", runs[1][rest], runs[1][rest]),
-                           estimate[rest])
+        return idx[rest], (*_about(ref[idx[rest]], *(a[rest] for a in runs)), estimate[rest])
 
     def _laplace(self, y, omega, V, Vinv, logdetV):
         """The Laplace rule (``Channel._laplace``); L = 2 with ``tol``: every sample is integrated
@@ -644,7 +642,7 @@ class ReparamChannel(PolarRule, Channel):
                                              max_regions, log_z, mean, second, used, achieved, self.threads,
                                              capsule1=capsule1, V=np.ascontiguousarray(V) if metric else None,
                                              amp=_amp(V) if metric else None)
-        return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :], achieved
+        return (*_about(ref, log_z, mean, second), achieved)
 
     # -- L = 3, T = 2 with ``tol``: four-dimensional adaptive cubature ------------------------
     # floor: below it the polar rule's stalled estimate beats what the adaptive rule reaches with
