@@ -401,8 +401,9 @@ class ReparamChannel(PolarRule, Channel):
         if self.model.layers != 2 or self.T != 2 or not self.escalation["logit"]:
             return None
         c, beta = self.model.skip, self.model.beta
-        centre, w, meets, applies = logit_rule.windows(u, omega, V, c)
-        idx = np.flatnonzero((error > target) & applies)
+        flagged = np.flatnonzero(error > target)
+        centre, w, meets, applies = logit_rule.windows(u[flagged], omega[flagged], V[flagged], c)
+        idx, (centre, w, meets) = flagged[applies], (a[applies] for a in (centre, w, meets))
         if not idx.size:
             return None
         RT, ref, m = 4, np.ascontiguousarray(omega.reshape(-1, 4)), len(idx)
@@ -414,7 +415,7 @@ class ReparamChannel(PolarRule, Channel):
             if not todo.size:
                 continue
             s = idx[todo]
-            cols, start, stop = logit_rule.nodes(omega[s], V[s], beta, centre[s], w[s], meets[s], n)
+            cols, start, stop = logit_rule.nodes(omega[s], V[s], beta, centre[todo], w[todo], meets[todo], n)
             self._polar_fill(cols, 2)
             out = np.empty(len(s)), np.empty((len(s), RT)), np.empty((len(s), RT, RT))
             _quadrature.integrate_polar(u[s], ref[s], Vinv[s], logdetV[s], np.arange(len(s) + 1), start, stop, cols,
