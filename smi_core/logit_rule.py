@@ -39,16 +39,16 @@ def windows(u, omega, V, skip):
     signs' windows meet the attention's range (n, 2), and whether the rule applies (n,): V₁₂ =
     0, some sign's window meets the range, no window holds θ = (½, ½), and the two windows do
     not overlap (each node sums both signs: overlapping windows would count one twice)."""
-    reach = WALLS[-1]
+    k = WALLS[-1]                   # the window's half-width in units of w
     d = omega[:, 1, 0] - omega[:, 1, 1]
     with np.errstate(divide="ignore"):
         w = np.sqrt(V[:, 1, 1]) * (skip + np.sqrt(2.0)) / np.abs(d)
     centre = np.stack([attention_targets(u, omega[:, 1], skip, s) for s in (1.0, -1.0)], axis=1)
-    lo, hi = centre - reach * w[:, None, None], centre + reach * w[:, None, None]
+    lo, hi = centre - k * w[:, None, None], centre + k * w[:, None, None]
     with np.errstate(invalid="ignore"):
         meets = (hi > 0).all(axis=2) & (lo < 1).all(axis=2) & (hi.sum(axis=2) > 1)
         cusp = ((lo < 0.5) & (hi > 0.5)).all(axis=2)
-        overlap = (np.abs(centre[:, 0] - centre[:, 1]) < 2 * reach * w[:, None]).all(axis=1)
+        overlap = (np.abs(centre[:, 0] - centre[:, 1]) < 2 * k * w[:, None]).all(axis=1)
     applies = ((V[:, 0, 1] == 0) & np.isfinite(w) & meets.any(axis=1) & ~(cusp & meets).any(axis=1)
                & ~(overlap & meets.all(axis=1)))
     return centre, w, meets, applies
