@@ -382,6 +382,8 @@ def _settings(option, defaults, changes):
     ``conditional``, ReparamChannel's ``escalation``): scale > 0 (× the rings' default counts),
     nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1, 0 <
     angular ≤ 2, aspect > 0, logit True or False."""
+    if changes is not None and not isinstance(changes, dict):
+        raise ValueError(f"{option} must be a dict of settings to change (keys {sorted(defaults)}), got {changes!r}")
     out = dict(defaults)
     for key, value in (changes or {}).items():
         if key not in defaults:
