@@ -44,8 +44,8 @@ def windows(u, omega, V, skip):
     with np.errstate(divide="ignore"):
         w = np.sqrt(V[:, 1, 1]) * (skip + np.sqrt(2.0)) / np.abs(d)
     centre = np.stack([attention_targets(u, omega[:, 1], skip, s) for s in (1.0, -1.0)], axis=1)
-    lo, hi = centre - k * w[:, None, None], centre + k * w[:, None, None]
     with np.errstate(invalid="ignore"):
+        lo, hi = centre - k * w[:, None, None], centre + k * w[:, None, None]
         meets = (hi > 0).all(axis=2) & (lo < 1).all(axis=2) & (hi.sum(axis=2) > 1)
         cusp = ((lo < 0.5) & (hi > 0.5)).all(axis=2)
         overlap = (np.abs(centre[:, 0] - centre[:, 1]) < 2 * k * w[:, None]).all(axis=1)
@@ -70,29 +70,39 @@ def _axis(centre, w, beta, reach, step):
     return np.unique(np.clip(ends, -reach, reach))
 
 
-def _panels(ends, x, wt):
-    """Gauss–Legendre (nodes x, weights wt on [-1, 1]) on every panel between ``ends``."""
-    half, mid = np.diff(ends)[:, None] / 2, (ends[1:] + ends[:-1])[:, None] / 2
-    return (mid + half * x).ravel(), (half * wt).ravel()
-
-
-def nodes(omega, V, beta, centre, w, meets, n):
-    """The rule's nodes for the samples given (all must apply), n Gauss–Legendre nodes per
-    panel: rows [h_1 (2), log weight, 5 rows for Φ⁻¹ and log|det Φ| (left to the caller's
-    inverse kernel)] by columns, and per sample its range start:stop of columns."""
-    x, wt = gauss_legendre(n)
+def panels(omega, V, beta, centre, w, meets):
+    """The rule's panels for the samples given (all must apply), once for every node count: per
+    axis t, the panels (lo, hi) and the pair each belongs to, the pairs being the (sample, sign)
+    of ``meets`` in sample order (``pairs``: their samples)."""
     reach = 1.21 * (np.linalg.norm(omega[:, 0], axis=1) + np.sqrt(2 * REACH * V[:, 0, 0])) ** 2   # |a_t| ≤ 1.21 |h_1|²
     step = np.minimum(0.5 * V[:, 0, 0], 0.5 / beta)
-    sample, sign = np.nonzero(meets)
-    axes = [[_panels(_axis(centre[i, s, t], w[i], beta, reach[i], step[i]), x, wt) for i, s in zip(sample, sign)]
-            for t in range(2)]
-    (a1, w1, p1), (a2, w2, p2) = [(np.concatenate([r[0] for r in rules]), np.concatenate([r[1] for r in rules]),
-                                   np.concatenate([[0], np.cumsum([len(r[0]) for r in rules])]))
-                                  for rules in axes]
-    count = np.empty(len(sample), dtype=np.int64)
+    pairs, sign = np.nonzero(meets)
+    axes = []
+    for t in range(2):
+        ends = [_axis(centre[i, s, t], w[i], beta, reach[i], step[i]) for i, s in zip(pairs, sign)]
+        axes.append((np.concatenate([e[:-1] for e in ends]), np.concatenate([e[1:] for e in ends]),
+                     np.repeat(np.arange(len(ends)), [len(e) - 1 for e in ends])))
+    return pairs, axes
+
+
+def nodes(pairs, axes, todo, n):
+    """The rule's nodes for the samples ``todo`` (ascending indices into those of ``panels``), n
+    Gauss–Legendre nodes per panel: rows [h_1 (2), log weight, 5 rows for Φ⁻¹ and log|det Φ|
+    (left to the caller's inverse kernel)] by columns, and per sample of ``todo`` its range
+    start:stop of columns."""
+    x, wt = gauss_legendre(n)
+    keep = np.isin(pairs, todo)
+    rules = []
+    for lo, hi, pair in axes:
+        sel = keep[pair]
+        half, mid = (hi[sel] - lo[sel])[:, None] / 2, (hi[sel] + lo[sel])[:, None] / 2
+        per = np.bincount(pair[sel], minlength=len(pairs))[keep] * n
+        rules.append(((mid + half * x).ravel(), (half * wt).ravel(), np.concatenate([[0], np.cumsum(per)])))
+    (a1, w1, p1), (a2, w2, p2) = rules
+    count = np.empty(len(p1) - 1, dtype=np.int64)
     _quadrature.logit_counts(a1, p1, a2, p2, count)
     first = np.concatenate([[0], np.cumsum(count)])
     cols = np.empty((8, first[-1]))
     _quadrature.logit_product(a1, w1, p1, a2, w2, p2, cols, first)
-    stop = np.cumsum(np.bincount(sample, weights=count, minlength=len(omega)).astype(np.int64))
+    stop = np.cumsum(np.bincount(np.searchsorted(todo, pairs[keep]), weights=count, minlength=len(todo)).astype(np.int64))
     return cols, np.concatenate([[0], stop[:-1]]), stop

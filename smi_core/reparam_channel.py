@@ -410,12 +410,13 @@ class ReparamChannel(PolarRule, Channel):
         runs = np.empty(m), np.empty((m, RT)), np.empty((m, RT, RT))
         estimate, ran = np.full(m, np.inf), np.zeros(m, dtype=bool)
         first = np.where(target[idx] >= self.LOGIT["loose"], 0, self.LOGIT["start"])
+        pairs, axes = logit_rule.panels(omega[idx], V[idx], beta, centre, w, meets)
         for k, n in enumerate(self.LOGIT["nodes"]):
             todo = np.flatnonzero((first <= k) & ~(estimate <= target[idx]))
             if not todo.size:
                 continue
             s = idx[todo]
-            cols, start, stop = logit_rule.nodes(omega[s], V[s], beta, centre[todo], w[todo], meets[todo], n)
+            cols, start, stop = logit_rule.nodes(pairs, axes, todo, n)
             self._polar_fill(cols, 2)
             out = np.empty(len(s)), np.empty((len(s), RT)), np.empty((len(s), RT, RT))
             _quadrature.integrate_polar(u[s], ref[s], Vinv[s], logdetV[s], np.arange(len(s) + 1), start, stop, cols,

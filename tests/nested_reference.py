@@ -71,9 +71,9 @@ def nodes(u, omega, V, skip, beta, n, nd):
     """(d, m, weight) of the rule: nd nodes per d panel, n per m panel."""
     c, v1, v2 = skip, V[0, 0], V[1, 1]
     dw = omega[1, 0] - omega[1, 1]
-    w = np.sqrt(v2) * (c + np.sqrt(2.0)) / abs(dw)
     centres = []
-    for s in (1.0, -1.0):       # θ* = (A_11, A_22) with (cI + A) ω_2 = s·u
+    for s in (1.0, -1.0) if dw != 0 else ():     # θ* = (A_11, A_22) with (cI + A) ω_2 = s·u
+        w = np.sqrt(v2) * (c + np.sqrt(2.0)) / abs(dw)
         theta = (s * u - c * omega[1] - omega[1, ::-1]) / np.array([dw, -dw])
         if (theta + 9 * w > 0).all() and (theta - 9 * w < 1).all():
             centres.append(theta)
