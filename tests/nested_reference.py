@@ -9,10 +9,11 @@ a_2 = d(d/2 − m), and the fold of h_1 ↦ a (the whole line d = 0 goes to a = 
 flat: the integrand is smooth, so this rule is the one for the samples whose posterior holds
 θ = (½, ½), which the channel's logit rule leaves to its polar rounds.
 
-Nodes: Gauss–Legendre in d on panels graded ×2 towards d = 0 and cut at √(a_1 + a_2) of the
-likelihood's walls; per d node, Gauss–Legendre in m on panels cut at the walls of both logits
-(θ*_t + j·w as logits, θ* where Φ(θ*)ω_2 = ±u, w = √v_2 (c + √2)/|ω_21 − ω_22|; beyond them
-panels growing ×4), at the prior's walls m_0 + j·√(v_1/2), over the prior's whole reach (so a
+Nodes: Gauss–Legendre in d on panels graded ×2 towards d = 0, cut at √(a_1 + a_2) of the
+likelihood's walls and at the prior's walls |d_0| + j·√(2 v_1) (d_0 = ω_11 − ω_12); per d node,
+Gauss–Legendre in m on panels cut at the walls of both logits (θ*_t + j·w as logits, θ* where
+Φ(θ*)ω_2 = ±u, w = √v_2 (c + √2)/|ω_21 − ω_22|; beyond them panels growing ×4) and at the
+prior's walls ±m_0 + j·√(v_1/2) (h_1 and its reflection), over the prior's whole reach (so a
 misplaced wall costs accuracy, not mass: ``error`` is the difference of two node counts).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 WALLS = np.array([-9.0, -6.0, -4.0, -2.5, -1.25, 0.0, 1.25, 2.5, 4.0, 6.0, 9.0])   # units of w
-PRIOR = np.array([-9.5, -7.0, -5.0, -3.5, -2.0, -1.0, 0.0, 1.0, 2.0, 3.5, 5.0, 7.0, 9.5])   # units of √(v_1/2)
+PRIOR = np.array([-9.5, -7.0, -5.0, -3.5, -2.0, -1.0, 0.0, 1.0, 2.0, 3.5, 5.0, 7.0, 9.5])   # units of the prior's sd
 REACH = 45.0        # the prior is cut at e^-REACH
 
 
@@ -79,10 +80,10 @@ def nodes(u, omega, V, skip, beta, n, nd):
             centres.append(theta)
     d0, m0 = omega[0, 0] - omega[0, 1], (omega[0, 0] + omega[0, 1]) / 2
     dmax = abs(d0) + np.sqrt(4 * REACH * v1)
-    mlo, mhi = m0 - np.sqrt(REACH * v1), m0 + np.sqrt(REACH * v1)
+    mlo, mhi = -abs(m0) - np.sqrt(REACH * v1), abs(m0) + np.sqrt(REACH * v1)     # h_1 and −h_1: m about ±m_0
     reach = 1.21 * (np.linalg.norm(omega[0]) + np.sqrt(2 * REACH * v1)) ** 2
     ends = [np.concatenate([_axis_ends(t[k], w, beta, reach) for t in centres] + [[]]) for k in range(2)]
-    dends = [0.0, dmax] + list(1e-3 * dmax * 2.0 ** np.arange(10))
+    dends = [0.0, dmax] + list(1e-3 * dmax * 2.0 ** np.arange(10)) + list(abs(d0) + np.sqrt(2 * v1) * PRIOR)
     for t in centres:
         s = _logit(t[0] + w * WALLS, beta) + _logit(t[1] + w * WALLS, beta)
         dends += list(np.sqrt(s[np.isfinite(s) & (s > 0)]))
@@ -90,7 +91,7 @@ def nodes(u, omega, V, skip, beta, n, nd):
     D, WD = _gl(dends, nd)
     out = []
     for d, wd in zip(D, WD):
-        cuts = np.concatenate([(ends[0] - d * d / 2) / d, (d * d / 2 - ends[1]) / d, m0 + np.sqrt(v1 / 2) * PRIOR])
+        cuts = np.concatenate([(ends[0] - d * d / 2) / d, (d * d / 2 - ends[1]) / d, m0 + np.sqrt(v1 / 2) * PRIOR, -m0 + np.sqrt(v1 / 2) * PRIOR])
         M, WM = _gl(np.unique(np.concatenate([[mlo, mhi], cuts[(cuts > mlo) & (cuts < mhi)]])), n)
         out.append(np.stack([np.full_like(M, d), M, wd * WM]))
     return np.concatenate(out, axis=1)

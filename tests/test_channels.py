@@ -782,6 +782,20 @@ def test_logit_rule_windows():
     assert logit_rule.windows(uu, om, Vs, c)[3].tolist() == [False, True, False]
 
 
+def test_nested_reference_against_the_mpmath_reference():
+    """The second reference against the first on a draw with ω_11 − ω_12 < 0 and ω_11 + ω_12 ≠ 0
+    (q = 0.9·I, seed 6), where the prior over the half plane d > 0 peaks at m = −m_0 (its
+    reflection): before its m walls and range covered ±m_0 the nested rule was 2.4 off here."""
+    rng = np.random.default_rng(6)
+    q = np.array([0.9, 0.9])[:, None]
+    omega = np.sqrt(q) * rng.standard_normal((2, 2))
+    y = model(2).forward(omega + np.sqrt(1 - q) * rng.standard_normal((2, 2)))
+    V = np.diag(1 - q[:, 0])
+    r, n = ref.reparam_l2(y, omega, V), nested.reparam_l2_nested(y, omega, V)
+    assert r.error <= REF_TOL and n.error <= REF_TOL, (r.error, n.error)
+    assert ref.metric(n.g_out, n.dg_out, r.g_out, r.dg_out) <= 1e-9
+
+
 def test_reparam_l2_pinned_cusp_windows_against_the_nested_rule():
     """Two layers pinned, V diagonal: the samples whose window in θ holds θ = (½, ½), which the
     logit rule leaves to the polar rounds and the adaptive rule, against a second reference, the
