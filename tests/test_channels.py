@@ -782,6 +782,26 @@ def test_logit_rule_windows():
     assert logit_rule.windows(uu, om, Vs, c)[3].tolist() == [False, True, False]
 
 
+@examples(6)
+@given(data=st.data())
+def test_reparam_l2_pinned_against_the_nested_rule(data):
+    """Two layers pinned, V diagonal (q = diag(q₁₁, 1 − 10^-k), q₁₁ ∈ [0, 0.5], k ∈ [2, 4]), with
+    skip c ∈ [0.5, 2] and β ∈ [0.5, 2.5]: the default channel against the nested reference (on
+    128 draws each of (c, β) = (0.3, 1), (2, 1), (1, 0.5), (1, 2.5), (0.5, 2) at q = 0.5·I,
+    diag(0, 0.999), diag(0.5, 0.9999), 2026-12-02: within 3.2e-7)."""
+    skip, beta = data.draw(st.floats(0.5, 2.0)), data.draw(st.floats(0.5, 2.5))
+    q = np.array([data.draw(st.floats(0.0, 0.5)), 1.0 - 10 ** -data.draw(st.floats(2.0, 4.0))])[:, None]
+    rng = np.random.default_rng(data.draw(seeds))
+    omega = np.sqrt(q) * rng.standard_normal((2, 2))
+    V = np.diag(1 - q[:, 0])
+    y = model(2, 2, skip, beta).forward(omega + np.sqrt(1 - q) * rng.standard_normal((2, 2)))
+    r = nested.reparam_l2_nested(y, omega, V, skip, beta)
+    assert r.error <= 1e-6, r.error
+    mo = model(2, 2, skip, beta).channel().moments(y[None], omega[None], V)
+    err = ref.metric(mo.g_out[0], mo.dg_out[0], r.g_out, r.dg_out)
+    assert err <= RTOL, (err, mo.error[0])
+
+
 def test_nested_reference_against_the_mpmath_reference():
     """The second reference against the first on a draw with ω_11 − ω_12 < 0 and ω_11 + ω_12 ≠ 0
     (q = 0.9·I, seed 6), where the prior over the half plane d > 0 peaks at m = −m_0 (its
