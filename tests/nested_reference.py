@@ -1,6 +1,7 @@
 """A second reference for two-layer T = 2 attention with V diagonal: a nested product rule in
-(d, m) = (h_11 − h_12, (h_11 + h_12)/2), numpy only (independent of derive/, codegen/ and
-smi_core/, like ``channel_reference``, and ≈ 100× faster than its mpmath rule).
+(d, m) = (h_11 − h_12, (h_11 + h_12)/2) in numpy (u_L from ``channel_reference.u_from_y``;
+independent of derive/, codegen/ and smi_core/ like that module, and ≈ 100× faster than its
+mpmath rule).
 
 Written from spec §2 and §4: the posterior over h_1 is ∝ Σ_± N(h_1; ω_1, v_1 I) N(±h_2; ω_2, v_2 I)
 / |det Φ(h_1)| with h_2 = Φ⁻¹u, Φ = cI + σ_β(h_1 h_1ᵀ), and Φ is even in h_1, so d > 0 with the
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from channel_reference import u_from_y
+
 WALLS = np.array([-9.0, -6.0, -4.0, -2.5, -1.25, 0.0, 1.25, 2.5, 4.0, 6.0, 9.0])   # units of w
 PRIOR = np.array([-9.5, -7.0, -5.0, -3.5, -2.0, -1.0, 0.0, 1.0, 2.0, 3.5, 5.0, 7.0, 9.5])   # units of the prior's sd
 REACH = 45.0        # the prior is cut at e^-REACH
@@ -33,13 +36,6 @@ class Nested:
     dg_out: np.ndarray      # (4, 4), index a*T + t
     error: float            # the metric between the two node counts
     nodes: int
-
-
-def u_from_y(y, beta):
-    """The + pre-image of y = σ_β(u uᵀ), T = 2: a = log(y_11/y_12)/β, b = log(y_22/y_21)/β,
-    u = (a, −b)/√(a + b)."""
-    a, b = np.log(y[0, 0] / y[0, 1]) / beta, np.log(y[1, 1] / y[1, 0]) / beta
-    return np.array([a, -b]) / np.sqrt(a + b)
 
 
 def _logit(t, beta):
@@ -72,12 +68,13 @@ def nodes(u, omega, V, skip, beta, n, nd):
     """(d, m, weight) of the rule: nd nodes per d panel, n per m panel."""
     c, v1, v2 = skip, V[0, 0], V[1, 1]
     dw = omega[1, 0] - omega[1, 1]
-    centres = []
-    for s in (1.0, -1.0) if dw != 0 else ():     # θ* = (A_11, A_22) with (cI + A) ω_2 = s·u
+    centres, k = [], WALLS[-1]
+    if dw != 0:
         w = np.sqrt(v2) * (c + np.sqrt(2.0)) / abs(dw)
-        theta = (s * u - c * omega[1] - omega[1, ::-1]) / np.array([dw, -dw])
-        if (theta + 9 * w > 0).all() and (theta - 9 * w < 1).all():
-            centres.append(theta)
+        for s in (1.0, -1.0):       # θ* = (A_11, A_22) with (cI + A) ω_2 = s·u
+            theta = (s * u - c * omega[1] - omega[1, ::-1]) / np.array([dw, -dw])
+            if (theta + k * w > 0).all() and (theta - k * w < 1).all():
+                centres.append(theta)
     d0, m0 = omega[0, 0] - omega[0, 1], (omega[0, 0] + omega[0, 1]) / 2
     dmax = abs(d0) + np.sqrt(4 * REACH * v1)
     mlo, mhi = -abs(m0) - np.sqrt(REACH * v1), abs(m0) + np.sqrt(REACH * v1)     # h_1 and −h_1: m about ±m_0
@@ -89,9 +86,10 @@ def nodes(u, omega, V, skip, beta, n, nd):
         dends += list(np.sqrt(s[np.isfinite(s) & (s > 0)]))
     dends = np.unique(np.clip(dends, 0.0, dmax))
     D, WD = _gl(dends, nd)
+    prior = np.concatenate([m0 + np.sqrt(v1 / 2) * PRIOR, -m0 + np.sqrt(v1 / 2) * PRIOR])
     out = []
     for d, wd in zip(D, WD):
-        cuts = np.concatenate([(ends[0] - d * d / 2) / d, (d * d / 2 - ends[1]) / d, m0 + np.sqrt(v1 / 2) * PRIOR, -m0 + np.sqrt(v1 / 2) * PRIOR])
+        cuts = np.concatenate([(ends[0] - d * d / 2) / d, (d * d / 2 - ends[1]) / d, prior])
         M, WM = _gl(np.unique(np.concatenate([[mlo, mhi], cuts[(cuts > mlo) & (cuts < mhi)]])), n)
         out.append(np.stack([np.full_like(M, d), M, wd * WM]))
     return np.concatenate(out, axis=1)
@@ -129,7 +127,7 @@ def reparam_l2_nested(y, omega, V, skip=1.0, beta=1.0, n=24, nd=18) -> Nested:
     y, omega, V = (np.asarray(a, dtype=np.float64) for a in (y, omega, V))
     if V[0, 1] != 0 or V[1, 0] != 0:
         raise ValueError("the nested rule needs V diagonal")
-    u = u_from_y(y, beta)
+    u = np.array([float(x) for x in u_from_y(y, beta)])
     g, dg, count = _moments(u, omega, V, skip, beta, n, nd)
     g0, dg0, _ = _moments(u, omega, V, skip, beta, (2 * n) // 3, (2 * nd) // 3)
     scale = max(np.abs(g).max(), np.abs(dg).max())

@@ -830,7 +830,7 @@ def test_reparam_l2_pinned_cusp_windows_against_the_nested_rule():
         omega = np.sqrt(q) * rng.standard_normal((64, 2, 2))
         y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((64, 2, 2)))
         V = np.diag(1 - q[:, 0])
-        u = np.array([nested.u_from_y(yi, 1.0) for yi in y])
+        u = np.array([[float(x) for x in ref.u_from_y(yi, 1.0)] for yi in y])
         centre, w, meets, _ = logit_rule.windows(u, omega, np.broadcast_to(V, (64, 2, 2)), c)
         cusp = ((np.abs(centre - 0.5) < 9 * w[:, None, None]).all(axis=2) & meets).any(axis=1)
         pick = np.flatnonzero(cusp)[:3]
