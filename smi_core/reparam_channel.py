@@ -12,7 +12,7 @@ from itertools import product
 
 import numpy as np
 
-from . import _quadrature, logit_rule, validate
+from . import _quadrature, cusp_rule, logit_rule, validate
 from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
 from .logit_rule import attention_targets
@@ -267,7 +267,7 @@ class ReparamChannel(PolarRule, Channel):
     # ten; the benchmark's pinned draws, 6.7–7.6 against 30.5–35.0 ms per sample; the same max
     # error on 128 draws against tol = 1e-8 (3.3e-6, the draw estimating 1.0e-6); twelve rounds
     # were slower again beside a busy process (36 against 15 ms, round 11's nodes)
-    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
+    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True, cusp=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
 
     def _polar_escalation(self, Vinv, error):
         """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
@@ -393,30 +393,57 @@ class ReparamChannel(PolarRule, Channel):
     # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
     # 0.999) 68 % (see the README, "The logit rule").
     LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4)
+    # the same for the samples whose window is about θ = (½, ½) (``escalation["cusp"]``,
+    # smi_core.cusp_rule), at (d panel, m) node counts.  Max error on the 71 / 29 it takes of 256
+    # draws at q = diag(0, 0.9999) / diag(0, 0.999) (seed 0, against tests/nested_reference.py):
+    # (4, 8) 1.8e-4 / 1.1e-4, (5, 10) 2.5e-6 / 3.2e-6, (6, 12) 1.8e-7 / 1.4e-7, (8, 14)
+    # 2.8e-8 / 1.9e-9, each below its difference to the count before.  They took 57 % / 34 % of
+    # the channel's time there (3.3 / 2.0 ms per sample).
+    CUSP = dict(nodes=((4, 8), (5, 10), (6, 12), (8, 14), (10, 18)), start=1, loose=1e-4)
 
     def _polar_shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target):
-        """Two layers, T = 2: the logit rule (``logit_rule``) for the samples above ``target``
-        where it applies, written into ``fine`` and ``error`` where its estimate is below it;
-        returns the samples where it is not and their (log Z, E[Z], Cov[Z], estimate), or None."""
-        if self.model.layers != 2 or self.T != 2 or not self.escalation["logit"]:
+        """Two layers, T = 2: the logit rule (``logit_rule``) and the cusp rule (``cusp_rule``)
+        for the samples above ``target`` where they apply, written into ``fine`` and ``error``
+        where their estimate is below it; returns the samples where it is not and their (log Z,
+        E[Z], Cov[Z], estimate), or None."""
+        if self.model.layers != 2 or self.T != 2:
             return None
         c, beta = self.model.skip, self.model.beta
         flagged = np.flatnonzero(error > target)
-        centre, w, meets, applies = logit_rule.windows(u[flagged], omega[flagged], V[flagged], c)
-        idx, (centre, w, meets) = flagged[applies], (a[applies] for a in (centre, w, meets))
-        if not idx.size:
+        centre, w, meets, logit = logit_rule.windows(u[flagged], omega[flagged], V[flagged], c)
+        cusp, sign = cusp_rule.applies(centre, w, meets, V[flagged])
+        spare = []
+        if self.escalation["logit"] and logit.any():
+            i = flagged[logit]
+            pairs, axes = logit_rule.panels(omega[i], V[i], beta, centre[logit], w[logit], meets[logit])
+            spare.append(self._node_rule(i, self.LOGIT, partial(logit_rule.nodes, pairs, axes),
+                                         u, omega, V, Vinv, logdetV, fine, error, target))
+        if self.escalation["cusp"] and cusp.any():
+            i = flagged[cusp]
+            layout = cusp_rule.Layout(centre[cusp, sign[cusp]], omega[i], V[i], c, beta)
+            spare.append(self._node_rule(i, self.CUSP, lambda todo, n: layout.nodes(todo, *n),
+                                         u, omega, V, Vinv, logdetV, fine, error, target))
+        if not spare:
             return None
+        return np.concatenate([s[0] for s in spare]), tuple(np.concatenate(a) for a in zip(*(s[1] for s in spare)))
+
+    def _node_rule(self, idx, settings, nodes_of, u, omega, V, Vinv, logdetV, fine, error, target):
+        """A rule of growing node counts (``settings["nodes"]``; ``nodes_of(todo, count)`` gives
+        its node columns and per sample their range) for the samples idx: from count
+        ``start`` (0 where the target is at least ``loose``), the estimate each run's difference
+        to the one before, the next count while it is above ``target``.  Written into ``fine``
+        and ``error`` where it ends below; returns the other samples and their (log Z, E[Z],
+        Cov[Z], estimate)."""
         RT, ref, m = 4, np.ascontiguousarray(omega.reshape(-1, 4)), len(idx)
         runs = np.empty(m), np.empty((m, RT)), np.empty((m, RT, RT))
         estimate, ran = np.full(m, np.inf), np.zeros(m, dtype=bool)
-        first = np.where(target[idx] >= self.LOGIT["loose"], 0, self.LOGIT["start"])
-        pairs, axes = logit_rule.panels(omega[idx], V[idx], beta, centre, w, meets)
-        for k, n in enumerate(self.LOGIT["nodes"]):
+        first = np.where(target[idx] >= settings["loose"], 0, settings["start"])
+        for k, n in enumerate(settings["nodes"]):
             todo = np.flatnonzero((first <= k) & ~(estimate <= target[idx]))
             if not todo.size:
                 continue
             s = idx[todo]
-            cols, start, stop = logit_rule.nodes(pairs, axes, todo, n)
+            cols, start, stop = nodes_of(todo, n)
             self._polar_fill(cols, 2)
             out = np.empty(len(s)), np.empty((len(s), RT)), np.empty((len(s), RT, RT))
             _quadrature.integrate_polar(u[s], ref[s], Vinv[s], logdetV[s], np.arange(len(s) + 1), start, stop, cols,
