@@ -37,50 +37,52 @@ S_WALLS = np.array([-6.0, -4.0, -2.5, -1.25, 0.0, 1.25, 2.5, 4.0, 6.0])         
 PRIOR = np.array([-9.5, -7.0, -5.0, -3.5, -2.0, -1.0, 0.0, 1.0, 2.0, 3.5, 5.0, 7.0, 9.5])    # units of √(2V_11)
 
 
-def applies(centre, w, meets, V):
+def gaussian(theta, omega2, v2, skip, beta):
+    """The likelihood's Gaussian in a, per sample (θ* (n, 2), ω_2 (n, 2), V_22 (n,)): mean
+    a* (n, 2), precision P (n, 2, 2), s* and σ_s (n,) each."""
+    delta = omega2[:, 0] - omega2[:, 1]
+    phi = np.stack([np.stack([skip + theta[:, 0], 1 - theta[:, 0]], axis=1),
+                    np.stack([1 - theta[:, 1], skip + theta[:, 1]], axis=1)], axis=1)
+    dj = np.stack([delta, -delta], axis=1) * beta * theta * (1 - theta)       # the diagonal of D J
+    P = dj[:, :, None] * np.linalg.inv(phi @ phi.transpose(0, 2, 1)) * dj[:, None, :] / v2[:, None, None]
+    astar = np.log(theta / (1 - theta)) / beta
+    return astar, P, astar.sum(axis=1), np.sqrt(np.linalg.inv(P).sum(axis=(1, 2)))
+
+
+def applies(centre, w, meets, omega, V, skip, beta):
     """Per sample (from ``logit_rule.windows``): V₁₂ = 0, exactly one sign's window meets the
-    range, it holds θ = (½, ½), and max_t |θ*_t − ½| + 3w < NEAR; and that sign (n,)."""
+    range, it holds θ = (½, ½), max_t |θ*_t − ½| + 3w < NEAR and s* + SPAN σ_s > 0; and that
+    sign's θ* (n, 2)."""
     sign = np.argmax(meets, axis=1)
     near = np.take_along_axis(centre, sign[:, None, None], axis=1)[:, 0]
     off = np.abs(near - 0.5).max(axis=1)
     with np.errstate(invalid="ignore"):
         ok = (V[:, 0, 1] == 0) & (meets.sum(axis=1) == 1) & (off < WALLS[-1] * w) & (off + 3 * w < NEAR)
-    return ok, sign
-
-
-def _gaussian(theta, omega2, v2, skip, beta):
-    """The likelihood's Gaussian in a: mean a* (2,), precision P (2, 2)."""
-    delta = omega2[0] - omega2[1]
-    D = np.diag([delta, -delta])
-    phi = skip * np.eye(2) + np.array([[theta[0], 1 - theta[0]], [1 - theta[1], theta[1]]])
-    J = np.diag(beta * theta * (1 - theta))
-    return np.log(theta / (1 - theta)) / beta, J @ D @ np.linalg.inv(phi @ phi.T) @ D @ J / v2
+    if ok.any():
+        _, _, s_star, sigma_s = gaussian(near[ok], omega[ok, 1], V[ok, 1, 1], skip, beta)
+        ok[ok] = s_star + SPAN * sigma_s > 0
+    return ok, near
 
 
 class Layout:
-    """Per sample, what every node count shares: the d panels and the Gaussian of the likelihood."""
+    """Per sample, what every node count shares: the d panels and the likelihood's Gaussian."""
 
     def __init__(self, centre, omega, V, skip, beta):
         """``centre``: θ* of the sign the rule is for (n, 2); ``omega`` (n, 2, 2), ``V`` (n, 2, 2)."""
-        n = len(centre)
         self.omega, self.v1 = omega, V[:, 0, 0]
-        self.astar, self.P = np.empty((n, 2)), np.empty((n, 2, 2))
+        self.astar, self.P, self.s_star, self.sigma_s = gaussian(centre, omega[:, 1], V[:, 1, 1], skip, beta)
         self.half = (omega[:, 0] == 0).all(axis=1)
-        ends = []
-        for i in range(n):
-            self.astar[i], self.P[i] = _gaussian(centre[i], omega[i, 1], V[i, 1, 1], skip, beta)
-            ends.append(self._ends(i))
+        ends = [self._ends(i) for i in range(len(centre))]
         self.lo = np.concatenate([e[:-1] for e in ends])
         self.hi = np.concatenate([e[1:] for e in ends])
-        self.owner = np.repeat(np.arange(n), [len(e) - 1 for e in ends])
+        self.owner = np.repeat(np.arange(len(ends)), [len(e) - 1 for e in ends])
 
     def _ends(self, i):
         """Panel ends in d of sample i (over d ≥ 0 where ``half``)."""
         v1, P, e = self.v1[i], self.P[i], np.array([1.0, -1.0])
-        s_star, sigma_s = self.astar[i].sum(), np.sqrt(np.linalg.inv(P).sum())
+        s_star, sigma_s = self.s_star[i], self.sigma_s[i]
         d0 = self.omega[i, 0, 0] - self.omega[i, 0, 1]
-        top = np.sqrt(max(s_star + SPAN * sigma_s, 0.0))
-        top = min(top, abs(d0) + np.sqrt(2 * v1) * PRIOR[-1])
+        top = min(np.sqrt(s_star + SPAN * sigma_s), abs(d0) + np.sqrt(2 * v1) * PRIOR[-1])
         eps = np.sqrt(2 / (v1 * (e @ P @ e)))
         grade = eps / 4 * 2.0 ** np.arange(64)
         s = s_star + sigma_s * S_WALLS

@@ -411,7 +411,7 @@ class ReparamChannel(PolarRule, Channel):
         c, beta = self.model.skip, self.model.beta
         flagged = np.flatnonzero(error > target)
         centre, w, meets, logit = logit_rule.windows(u[flagged], omega[flagged], V[flagged], c)
-        cusp, sign = cusp_rule.applies(centre, w, meets, V[flagged])
+        cusp, near = cusp_rule.applies(centre, w, meets, omega[flagged], V[flagged], c, beta)
         spare = []
         if self.escalation["logit"] and logit.any():
             i = flagged[logit]
@@ -420,7 +420,7 @@ class ReparamChannel(PolarRule, Channel):
                                          u, omega, V, Vinv, logdetV, fine, error, target))
         if self.escalation["cusp"] and cusp.any():
             i = flagged[cusp]
-            layout = cusp_rule.Layout(centre[cusp, sign[cusp]], omega[i], V[i], c, beta)
+            layout = cusp_rule.Layout(near[cusp], omega[i], V[i], c, beta)
             spare.append(self._node_rule(i, self.CUSP, lambda todo, n: layout.nodes(todo, *n),
                                          u, omega, V, Vinv, logdetV, fine, error, target))
         if not spare:

@@ -37,7 +37,7 @@ import channel_reference as ref
 import nested_reference as nested
 from reference import Model
 from smi_core import DeepAttention, LinkModel, index_symbols, register_link
-from smi_core import chart, logit_rule
+from smi_core import chart, cusp_rule, logit_rule
 from smi_core.channels import Channel, _spread_of
 from smi_core.noisy_channel import NoisyChannel
 from smi_core.quadrature import gauss_legendre
@@ -839,6 +839,73 @@ def test_reparam_l2_pinned_cusp_windows_against_the_nested_rule():
         for k, i in enumerate(pick):
             r = nested.reparam_l2_nested(y[i], omega[i], V)
             assert r.error <= 1e-6, (q.ravel(), i, r.error)
+            err = ref.metric(mo.g_out[k], mo.dg_out[k], r.g_out, r.dg_out)
+            assert err <= RTOL, (q.ravel(), i, err, mo.error[k])
+
+
+def test_cusp_rule_applies_and_its_gaussian():
+    """The cusp rule takes windows about θ = (½, ½) only (V₁₂ = 0, one sign meeting the range,
+    θ* within NEAR − 3w of ½), and its Gaussian in the logits a is the likelihood's: P against
+    the Hessian of −log N(Φ(σ(βa))⁻¹u; ω_2, V₂₂) at a* by central differences."""
+    c, beta, v2 = 0.7, 1.3, 1e-6
+    om = np.array([[[0.0, 0.0], [1.0, 0.0]]] * 4)
+    Vs = np.array([np.diag([1.0, v2])] * 3 + [[[1.0, 1e-4], [1e-4, v2]]])
+    theta = np.array([[0.5, 0.5], [0.51, 0.495], [0.8, 0.9], [0.5, 0.5]])
+    uu = c * om[:, 1] + np.stack([theta[:, 0], 1 - theta[:, 1]], axis=1)     # (cI + A(θ)) (1, 0)
+    centre, w, meets, logit = logit_rule.windows(uu, om, Vs, c)
+    ok, near = cusp_rule.applies(centre, w, meets, om, Vs, c, beta)
+    assert ok.tolist() == [True, True, False, False] and logit.tolist() == [False, False, True, False]
+    assert np.allclose(near[:2], theta[:2], atol=1e-12)
+    astar, P, s_star, sigma_s = cusp_rule.gaussian(near[1:2], om[1:2, 1], np.array([v2]), c, beta)
+
+    def log_l(a):
+        t = 1 / (1 + np.exp(-beta * a))
+        phi = c * np.eye(2) + np.array([[t[0], 1 - t[0]], [1 - t[1], t[1]]])
+        return -((np.linalg.solve(phi, uu[1]) - om[1, 1]) ** 2).sum() / (2 * v2)
+
+    h, H = 1e-5, np.empty((2, 2))
+    for i, j in np.ndindex(2, 2):
+        e_i, e_j = np.eye(2)[i] * h, np.eye(2)[j] * h
+        H[i, j] = (log_l(astar[0] + e_i + e_j) - log_l(astar[0] + e_i - e_j) - log_l(astar[0] - e_i + e_j)
+                   + log_l(astar[0] - e_i - e_j)) / (4 * h * h)
+    assert np.allclose(-H, P[0], rtol=1e-4, atol=1e-4 * np.abs(P[0]).max()), (H, P[0])
+    assert np.isclose(s_star[0], astar[0].sum()) and np.isclose(sigma_s[0] ** 2, np.linalg.inv(P[0]).sum())
+
+
+@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
+def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
+    """Two layers pinned, V diagonal: the first three state-evolution draws per q that the cusp
+    rule takes (seed 5; q = diag(0, 0.999), diag(0, 0.9999), diag(0.3, 0.9999): ω_1 = 0 runs
+    over the half plane d > 0, ω_1 ≠ 0 over the plane), by default, against the nested
+    reference; the rule ran and its result stood."""
+    m = DeepAttention(2, 2, skip=skip, beta=beta)
+    rng = np.random.default_rng(5)
+    stood, rule = [], ReparamChannel._node_rule
+
+    def spy(self, idx, settings, nodes_of, *args):
+        out = rule(self, idx, settings, nodes_of, *args)
+        if settings is self.CUSP:
+            stood.extend(set(idx) - set(out[0]))
+        return out
+
+    monkeypatch.setattr(ReparamChannel, "_node_rule", spy)
+    for q in ([0.0, 0.999], [0.0, 0.9999], [0.3, 0.9999]):
+        q = np.array(q)[:, None]
+        omega = np.sqrt(q) * rng.standard_normal((256, 2, 2))
+        y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((256, 2, 2)))
+        V = np.broadcast_to(np.diag(1 - q[:, 0]), (256, 2, 2)).copy()
+        u = np.array([[float(x) for x in ref.u_from_y(yi, beta)] for yi in y])
+        centre, w, meets, _ = logit_rule.windows(u, omega, V, skip)
+        pick = np.flatnonzero(cusp_rule.applies(centre, w, meets, omega, V, skip, beta)[0])[:3]
+        assert len(pick) == 3, q.ravel()
+        stood.clear()
+        mo = m.channel().moments(y[pick], omega[pick], V[pick])
+        assert sorted(stood) == [0, 1, 2], (q.ravel(), stood)
+        for k, i in enumerate(pick):
+            r = nested.reparam_l2_nested(y[i], omega[i], V[i], skip, beta)
+            if r.error > RTOL / 4:      # (0.5, 2), draw 16 at diag(0, 0.9999): 8.4e-6, at 1.5× 6.1e-12
+                r = nested.reparam_l2_nested(y[i], omega[i], V[i], skip, beta, n=36, nd=27)
+            assert r.error <= RTOL / 4, (q.ravel(), i, r.error)
             err = ref.metric(mo.g_out[k], mo.dg_out[k], r.g_out, r.dg_out)
             assert err <= RTOL, (q.ravel(), i, err, mo.error[k])
 
