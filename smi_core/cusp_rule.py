@@ -20,9 +20,10 @@ covers the plane and each node's weight carries its share N(h_1)/(N(h_1) + N(−
 σ(2 ω_1·h_1/V_11) of that sum.
 
 It applies where one sign's window (``logit_rule.windows``) holds θ = (½, ½), the other's does
-not meet the range, and max_t |θ*_t − ½| + 3w < NEAR: further out the Gaussian in a misplaces
-the nodes (at θ* = (0.82, 0.83), w = 0.08, q = diag(0, 0.9999), two node counts agreed on a
-result 0.4 off).
+not meet the range, max_t |θ*_t − ½| + 3w < NEAR and s* + SPAN σ_s > 0: further out the
+Gaussian in a misplaces the nodes (on the windows about (½, ½) at q = diag(0, 0.9999), the
+rule at (8, 14) against (6, 10) nodes accepted, at 1e-6, a result 0.17 off: the posterior in a
+is skewed towards θ → 1 and both counts miss the same mass).
 """
 from __future__ import annotations
 
