@@ -185,3 +185,11 @@ def test_bad_backend():
     """An unknown backend is reported (on first use: kernels are loaded lazily)."""
     with pytest.raises(ValueError, match=r"backend must be one of \('compiled', 'twin'\), got 'gpu'"):
         DeepAttention(layers=2, tokens=2, rank=1, backend="gpu").forward(np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("key", ["logit", "cusp"])
+def test_escalation_switches_must_be_bool(key):
+    with pytest.raises(ValueError, match=rf"escalation\['{key}'\] must be True or False, got 1"):
+        DeepAttention(2, 2).channel(escalation={key: 1})
+    with pytest.raises(ValueError, match=r"escalation takes \[.*'cusp'.*\], got 'cusps'"):
+        DeepAttention(2, 2).channel(escalation={"cusps": False})
