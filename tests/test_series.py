@@ -55,8 +55,11 @@ def norm(a):
     return np.linalg.norm(a, axis=(-2, -1))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def rng():
+    """A fresh generator per test: module-wide, each test's draws depended on which tests had
+    run before it on the same xdist worker (once [2-2-1-softmax] drew a Z whose logits ratio was
+    1.027, outside the asymptotic atol of 0.02)."""
     return np.random.default_rng(20240521)
 
 
