@@ -818,8 +818,9 @@ def test_nested_reference_against_the_mpmath_reference():
 
 def test_reparam_l2_pinned_cusp_windows_against_the_nested_rule():
     """Two layers pinned, V diagonal: the samples whose window in θ holds θ = (½, ½), which the
-    logit rule leaves to the polar rounds and the adaptive rule, against a second reference, the
-    nested (d, m) rule (tests/nested_reference.py: the fold of h_1 ↦ θ is flat there).  The
+    logit rule leaves to the cusp rule (near ½), the polar rounds and the adaptive rule, against a
+    second reference, the nested (d, m) rule (tests/nested_reference.py: the fold of h_1 ↦ θ is
+    flat there).  The
     first three such state-evolution draws per q (seed 11).  On all 147 / 226 such draws of the
     channel benchmark at q₂₂ = 0.9999 / 0.999 (seed 0) that rule is within 1.5e-9 / 8.2e-10 of
     the channel at tol = 1e-9 (measured 2026-12-02)."""
@@ -844,17 +845,18 @@ def test_reparam_l2_pinned_cusp_windows_against_the_nested_rule():
 
 
 def test_cusp_rule_applies_and_its_gaussian():
-    """The cusp rule takes windows about θ = (½, ½) only (V₁₂ = 0, one sign meeting the range,
-    θ* within NEAR − 3w of ½), and its Gaussian in the logits a is the likelihood's: P against
+    """The cusp rule takes windows about θ = (½, ½) only (V₁₂ = 0, V₁₁ ≥ BROAD, one sign meeting
+    the range, θ* within NEAR − 3w of ½), and its Gaussian in the logits a is the likelihood's: P against
     the Hessian of −log N(Φ(σ(βa))⁻¹u; ω_2, V₂₂) at a* by central differences."""
     c, beta, v2 = 0.7, 1.3, 1e-6
-    om = np.array([[[0.0, 0.0], [1.0, 0.0]]] * 4)
-    Vs = np.array([np.diag([1.0, v2])] * 3 + [[[1.0, 1e-4], [1e-4, v2]]])
-    theta = np.array([[0.5, 0.5], [0.51, 0.495], [0.8, 0.9], [0.5, 0.5]])
+    om = np.array([[[0.0, 0.0], [1.0, 0.0]]] * 5)
+    Vs = np.array([np.diag([1.0, v2])] * 3 + [[[1.0, 1e-4], [1e-4, v2]], np.diag([0.3, v2])])
+    theta = np.array([[0.5, 0.5], [0.51, 0.495], [0.8, 0.9], [0.5, 0.5], [0.5, 0.5]])
     uu = c * om[:, 1] + np.stack([theta[:, 0], 1 - theta[:, 1]], axis=1)     # (cI + A(θ)) (1, 0)
     centre, w, meets, logit = logit_rule.windows(uu, om, Vs, c)
     ok, near = cusp_rule.applies(centre, w, meets, om, Vs, c, beta)
-    assert ok.tolist() == [True, True, False, False] and logit.tolist() == [False, False, True, False]
+    assert ok.tolist() == [True, True, False, False, False]
+    assert logit.tolist() == [False, False, True, False, False]
     assert np.allclose(near[:2], theta[:2], atol=1e-12)
     astar, P, s_star, sigma_s = cusp_rule.gaussian(near[1:2], om[1:2, 1], np.array([v2]), c, beta)
 
