@@ -123,9 +123,10 @@ class Layout:
         cols[0] = (m + d[:, None] / 2).ravel()
         cols[1] = (m - d[:, None] / 2).ravel()
         cols[2] = (np.log(wd * scale)[:, None] + np.log(wt) + t * t).ravel()
-        omega1 = self.omega[np.repeat(own, nm), 0]
-        full = ~self.half[np.repeat(own, nm)]
-        share = 2 * (omega1[:, 0] * cols[0] + omega1[:, 1] * cols[1]) / np.repeat(v1, nm)
+        each = np.repeat(own, nm)                                 # the sample of every node
+        omega1 = self.omega[each, 0]
+        full = ~self.half[each]
+        share = 2 * (omega1[:, 0] * cols[0] + omega1[:, 1] * cols[1]) / self.v1[each]
         cols[2, full] -= np.logaddexp(0.0, -share[full])
         stop = np.cumsum(np.bincount(np.searchsorted(todo, own), minlength=len(todo)) * nm)
         return cols, np.concatenate([[0], stop[:-1]]), stop

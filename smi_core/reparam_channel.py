@@ -392,7 +392,7 @@ class ReparamChannel(PolarRule, Channel):
     # 4.5e-3 / 7.9e-4, 6 1.2e-4 / 8.3e-5, 8 1.0e-5 / 1.5e-6, 10 4.4e-7 / 1.4e-8.  Those samples took most of the rounds' time: 56 of 128
     # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
     # 0.999) 68 % (see the README, "The logit rule").
-    LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4)
+    LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4, target=np.inf)
     # the same for the samples whose window is about θ = (½, ½) (``escalation["cusp"]``,
     # smi_core.cusp_rule), at (d panel, m) node counts.  Max error on the 71 / 29 it takes of 256
     # draws at q = diag(0, 0.9999) / diag(0, 0.999) (seed 0, against tests/nested_reference.py):
@@ -424,8 +424,7 @@ class ReparamChannel(PolarRule, Channel):
             i = flagged[cusp]
             layout = cusp_rule.Layout(near[cusp], omega[i], V[i], c, beta)
             spare.append(self._node_rule(i, self.CUSP, lambda todo, n: layout.nodes(todo, *n),
-                                         u, omega, V, Vinv, logdetV, fine, error,
-                                         np.minimum(target, self.CUSP["target"])))
+                                         u, omega, V, Vinv, logdetV, fine, error, target))
         if not spare:
             return None
         return np.concatenate([s[0] for s in spare]), tuple(np.concatenate(a) for a in zip(*(s[1] for s in spare)))
@@ -434,15 +433,16 @@ class ReparamChannel(PolarRule, Channel):
         """A rule of growing node counts (``settings["nodes"]``; ``nodes_of(todo, count)`` gives
         its node columns and per sample their range) for the samples idx: from count
         ``start`` (0 where the target is at least ``loose``), the estimate each run's difference
-        to the one before, the next count while it is above ``target``.  Written into ``fine``
-        and ``error`` where it ends below; returns the other samples and their (log Z, E[Z],
-        Cov[Z], estimate)."""
+        to the one before, the next count while it is above ``target`` (at most
+        ``settings["target"]``).  Written into ``fine`` and ``error`` where it ends below;
+        returns the other samples and their (log Z, E[Z], Cov[Z], estimate)."""
         RT, ref, m = 4, np.ascontiguousarray(omega.reshape(-1, 4)), len(idx)
         runs = np.empty(m), np.empty((m, RT)), np.empty((m, RT, RT))
         estimate, ran = np.full(m, np.inf), np.zeros(m, dtype=bool)
         first = np.where(target[idx] >= settings["loose"], 0, settings["start"])
+        goal = np.minimum(target[idx], settings["target"])
         for k, n in enumerate(settings["nodes"]):
-            todo = np.flatnonzero((first <= k) & ~(estimate <= target[idx]))
+            todo = np.flatnonzero((first <= k) & ~(estimate <= goal))
             if not todo.size:
                 continue
             s = idx[todo]
@@ -459,7 +459,7 @@ class ReparamChannel(PolarRule, Channel):
             for a, b in zip(runs, out):
                 a[todo] = b
             ran[todo] = True
-        take = estimate <= target[idx]
+        take = estimate <= goal
         for total, part in zip(fine, runs):
             total[idx[take]] = part[take]
         error[idx[take]] = estimate[take]
