@@ -1313,6 +1313,22 @@ def test_polar_nodes_shared_by_a_batch_match_single_samples(monkeypatch, layers,
         np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11 * np.abs(b).max())
 
 
+@pytest.mark.parametrize("layers, tokens", [(2, 2), (2, 3), (3, 2)])
+def test_polar_factored_signed_sums_match_the_general_ones(layers, tokens):
+    """With V diagonal the polar kernels sum each node's 2^L reflections in factored form
+    (D_A = e^c Π 2 sinh a_l Π 2 cosh a_l, 1 + L exponentials); an off-diagonal entry of 1e-13
+    sends the same nodes through the general Walsh–Hadamard sums of the 2^L weights.  The moments
+    agree to rounding (a wrong sign or factor in either moves them by O(1))."""
+    y, omega, V = se_batch(layers, 24, 0.5 * np.eye(layers), np.random.default_rng(5), tokens=tokens)
+    ch = model(layers, tokens).channel(error_estimate=False)
+    assert (ch._polar_weight(omega, np.broadcast_to(V, (24, layers, layers))) == 1).all()
+    Vc = V.copy()
+    Vc[0, 1] = Vc[1, 0] = 1e-13
+    a, b = ch.moments(y, omega, V), ch.moments(y, omega, Vc)
+    for x, z in ((a.g_out, b.g_out), (a.dg_out, b.dg_out), (a.log_z, b.log_z)):
+        np.testing.assert_allclose(x, z, rtol=1e-10, atol=1e-10 * np.abs(z).max())
+
+
 def test_polar_arcs_leave_out_only_the_prior_beyond_reach(monkeypatch):
     """Three layers at q = 0.9: each sample skips the first layer's nodes and the second
     layer's angles farther than reach from ±ω_ℓ (``polar._arc``, ``polar._window``, walked
