@@ -71,7 +71,8 @@ cdef extern from *:
        moment is subnormal, and every operation on a subnormal takes a microcode assist (the
        negligible reflections of each adaptive box made the Genz-Malik rule 6-7x slower: 21.5
        against 3 us per box, two layers at q = diag(0, 0.9999); the moments are the same bit for
-       bit). */
+       bit).  Always inlined: called as a function (gcc's choice once the polar kernels had two
+       copies each) it keeps the loops that call it scalar, 2.5x slower. */
     #define SMI_EXP_FLUSH -500.0
     static inline __attribute__((always_inline)) double smi_exp_poly(double x, int full) {
         x = x > -700.0 ? x : -700.0;                       /* e^-700 ~ 1e-304 */
@@ -124,7 +125,7 @@ cdef extern from *:
     #define SMI_FINITE(x) (fabs(x) <= 1.7976931348623157e308)
     #define SMI_MAX(a, b) ((a) > (b) ? (a) : (b))
 
-    /* The signed sums D_A of node k's 2^L weights e^(w_p - mx) (W: the tile's rows, SMI_TILE
+    /* The signed sums D_A of a node's 2^L weights e^(w_p - mx) (W: the tile's rows, SMI_TILE
        apart).  In general by the Walsh-Hadamard transform of the weights (W rows w_p, bit l - 1 of
        p: s_l = -1).  With V diagonal (``diag``: P_ll' = 0 for l != l') a term's log weight is
        c + sum_l s_l a_l and the sums factor, D_A = e^c prod_{l in A} 2 sinh a_l prod_{l not in A}
