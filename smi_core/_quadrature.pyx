@@ -279,7 +279,9 @@ cdef extern from *:
             double w10 = c - a1 + a2 + b, w11 = c - a1 - a2 - b;
             double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
             W[k] = diag ? t : w00; W[SMI_TILE + k] = diag ? a1 : w10;      /* diag: top, a_1, a_2 */
-            W[2 * SMI_TILE + k] = diag ? a2 : w01; W[3 * SMI_TILE + k] = w11;
+            W[2 * SMI_TILE + k] = diag ? a2 : w01;
+            if (!diag)                  /* diag: row 3 is the signed sums' only */
+                W[3 * SMI_TILE + k] = w11;
             mx = t > mx ? t : mx;
         }
         if (mx < floor)                 /* the whole tile is negligible: no second pass */
@@ -347,7 +349,9 @@ cdef extern from *:
             double w10 = c - a1 + a2 + b, w11 = c - a1 - a2 - b;
             double t = SMI_MAX(SMI_MAX(w00, w01), SMI_MAX(w10, w11));
             W[k] = diag ? t : w00; W[SMI_TILE + k] = diag ? a1 : w10;      /* diag: top, a_1, a_2 */
-            W[2 * SMI_TILE + k] = diag ? a2 : w01; W[3 * SMI_TILE + k] = w11;
+            W[2 * SMI_TILE + k] = diag ? a2 : w01;
+            if (!diag)                  /* diag: row 3 is the signed sums' only */
+                W[3 * SMI_TILE + k] = w11;
             mx = t > mx ? t : mx;
         }
         if (mx < floor)
@@ -422,7 +426,9 @@ cdef extern from *:
             double t = SMI_MAX(SMI_MAX(SMI_MAX(w0, w1), SMI_MAX(w2, w3)), SMI_MAX(SMI_MAX(w4, w5), SMI_MAX(w6, w7)));
             W[k] = diag ? t : w0; W[SMI_TILE + k] = diag ? a1 : w1;        /* diag: top, a_1 .. a_3 */
             W[2 * SMI_TILE + k] = diag ? a2 : w2; W[3 * SMI_TILE + k] = diag ? a3 : w3;
-            W[4 * SMI_TILE + k] = w4; W[5 * SMI_TILE + k] = w5; W[6 * SMI_TILE + k] = w6; W[7 * SMI_TILE + k] = w7;
+            if (!diag) {                /* diag: rows 4 .. 6 are the signed sums' only */
+                W[4 * SMI_TILE + k] = w4; W[5 * SMI_TILE + k] = w5; W[6 * SMI_TILE + k] = w6; W[7 * SMI_TILE + k] = w7;
+            }
             mx = t > mx ? t : mx;
         }
         if (mx < floor)                 /* the whole tile is negligible: no second pass */
