@@ -226,22 +226,28 @@ class PolarRule:
             return _arc_plan(layers, (G,) + shape, size, start, sample, seg_b0, seg_b1, first[has], window)
         return Plan(layers, (G,) + shape, size, None, start, sample, start[seg_b0], start[seg_b1])
 
-    def _polar_pieces(self, plan):
-        """The plan's kept nodes, POLAR_PIECE at a time (bounded memory, and each sample's reads
-        stay in cache; at least one block), one node per column [x, log weight, node data],
-        set up in cache-sized parts of POLAR_NODE_CHUNK (``_quadrature.polar_product``, then
-        ``_polar_fill``).  Yields (first node, last node + 1, nodes)."""
+    def _polar_parts(self, plan):
+        """The plan's non-empty blocks split into pieces of about POLAR_PIECE kept nodes (bounded
+        memory, and each sample's reads stay in cache; at least one block each): the blocks of
+        each piece, and the pieces' edges in the kept nodes' numbering (pieces + 1)."""
         bound = plan.bound
         blocks = np.flatnonzero(np.diff(bound))
         if not blocks.size:
-            return
+            return [], np.zeros(1, dtype=np.int64)
+        parts = np.split(blocks, np.flatnonzero(np.diff(bound[blocks] // self.POLAR_PIECE)) + 1)
+        return parts, np.array([bound[part[0]] for part in parts] + [bound[blocks[-1] + 1]])
+
+    def _polar_pieces(self, plan, parts):
+        """The kept nodes of each piece (``_polar_parts``), one node per column [x, log weight,
+        node data], set up in cache-sized parts of POLAR_NODE_CHUNK (``_quadrature.polar_product``,
+        then ``_polar_fill``).  Yields (first node, nodes)."""
+        bound = plan.bound
         set_up = np.concatenate([[0], np.cumsum(plan.size)])
-        piece = bound[blocks] // self.POLAR_PIECE
         layers = plan.layers
         m = layers[0].x.shape[1] * len(layers)
         rings = [(rl.x, rl.log_w, np.cumsum(rl.count.ravel()) - rl.count.ravel(), rl.count.ravel())
                  for rl in (layers[0], layers[-1])]          # one layer: the second is ignored
-        for part in np.split(blocks, np.flatnonzero(np.diff(piece)) + 1):
+        for part in parts:
             n0, n1 = bound[part[0]], bound[part[-1] + 1]
             nodes = np.empty((m + 1 + self._polar_data_rows, n1 - n0))
             chunk = set_up[part] // self.POLAR_NODE_CHUNK
@@ -252,7 +258,7 @@ class PolarRule:
                                           plan.shape[2] if len(layers) == 2 else 0, *rings[0], *rings[1], keep,
                                           nodes, self.threads)
                 self._polar_fill(nodes[:, bound[sub[0]] - n0:bound[sub[-1] + 1] - n0], m)
-            yield n0, n1, nodes
+            yield n0, nodes
 
     def _polar_round_scales(self, scale, rounds):
         """The escalation's rounds: the counts × 1.5 per round in every direction."""
@@ -270,7 +276,8 @@ class PolarRule:
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
         when few samples share a V) and each group's nodes by pieces (``_polar_pieces``): every
-        sample's segments clipped to the piece's blocks, the pieces' moments merged by mass."""
+        sample's segments cut at the pieces' edges (``_by_piece``), the pieces' moments merged by
+        mass."""
         n, RT = len(omega), self.R * self.T
         log_z, mean, second = np.full(n, -np.inf), np.zeros((n, RT)), np.zeros((n, RT, RT))
         group = self._polar_groups(omega, V)[0]
@@ -278,19 +285,19 @@ class PolarRule:
         for first in range(0, group.max() + 1, chunk):
             idx = np.flatnonzero((group >= first) & (group < first + chunk))
             plan = self._polar_plan(omega[idx], V[idx], scale)
-            for n0, n1, nodes in self._polar_pieces(plan):
-                start, stop = np.maximum(plan.seg_start, n0), np.minimum(plan.seg_stop, n1)
-                keep = start < stop
-                who = plan.sample[keep]
-                ids = np.unique(who)
-                if not ids.size:
+            parts, edges = self._polar_parts(plan)
+            who, start, stop, ptr = _by_piece(plan, edges)
+            for p, (n0, nodes) in enumerate(self._polar_pieces(plan, parts)):
+                w = who[ptr[p]:ptr[p + 1]]
+                if not w.size:
                     continue
-                seg_ptr = np.concatenate([[0], np.cumsum(np.bincount(who)[ids])])
-                out = np.empty(len(ids)), np.empty((len(ids), RT)), np.empty((len(ids), RT, RT))
-                s = idx[ids]
+                head = np.flatnonzero(np.concatenate([[True], w[1:] != w[:-1]]))
+                seg_ptr = np.append(head, w.size)
+                out = np.empty(head.size), np.empty((head.size, RT)), np.empty((head.size, RT, RT))
+                s = idx[w[head]]
                 _quadrature.integrate_polar(u[s], omega[s].reshape(-1, RT), Vinv[s], logdetV[s], seg_ptr,
-                                            start[keep] - n0, stop[keep] - n0, nodes, *out, self.threads,
-                                            self.POLAR_DELTA)
+                                            start[ptr[p]:ptr[p + 1]] - n0, stop[ptr[p]:ptr[p + 1]] - n0, nodes,
+                                            *out, self.threads, self.POLAR_DELTA)
                 _merge((log_z, mean, second), s, out)
         return log_z, mean, second
 
@@ -412,6 +419,21 @@ def _about(ref, log_z, mean, second):
     """(log Z, E[Z], Cov[Z]) from a pass's sums about ``ref``: mean = E[Z − ref], second =
     E[(Z − ref)(Z − ref)ᵀ]."""
     return log_z, ref + mean, second - mean[:, :, None] * mean[:, None, :]
+
+
+def _by_piece(plan, edges):
+    """The plan's segments cut at the pieces' edges (kept nodes edges[p]:edges[p + 1] make piece
+    p): (sample, start, stop) of the cut segments sorted by piece and, within one, by sample,
+    and each piece's first cut segment (pieces + 1)."""
+    first = np.searchsorted(edges, plan.seg_start, side="right") - 1
+    count = np.searchsorted(edges, plan.seg_stop, side="left") - first      # pieces each segment spans
+    seg = np.repeat(np.arange(len(first)), count)
+    piece = first[seg] + _rank(count)
+    order = np.argsort(piece, kind="stable")                                # segments are by sample
+    seg, piece = seg[order], piece[order]
+    start = np.maximum(plan.seg_start[seg], edges[piece])
+    stop = np.minimum(plan.seg_stop[seg], edges[piece + 1])
+    return plan.sample[seg], start, stop, np.searchsorted(piece, np.arange(len(edges)))
 
 
 def _merge(total, idx, part):

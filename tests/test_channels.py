@@ -912,6 +912,33 @@ def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
             assert err <= RTOL, (q.ravel(), i, err, mo.error[k])
 
 
+def test_reparam_l2_node_rules_by_parts(monkeypatch):
+    """The logit and cusp rules set up their nodes NODE_RULE_NODES at a time: one sample per part
+    and every sample in one part give the same moments (64 state-evolution draws at q = diag(0,
+    0.9999), seed 3, of which both rules take some)."""
+    m = model(2)
+    rng = np.random.default_rng(3)
+    q = np.array([0.0, 0.9999])[:, None]
+    omega = np.sqrt(q) * rng.standard_normal((64, 2, 2))
+    y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((64, 2, 2)))
+    keep = (y > 0).all(axis=(1, 2))
+    taken, rule = {}, ReparamChannel._node_rule
+
+    def spy(self, idx, settings, *args):
+        taken[id(settings)] = taken.get(id(settings), 0) + len(idx)
+        return rule(self, idx, settings, *args)
+
+    monkeypatch.setattr(ReparamChannel, "_node_rule", spy)
+    runs = []
+    for nodes, first in ((1, 1), (1 << 40, 1 << 20)):
+        monkeypatch.setattr(ReparamChannel, "NODE_RULE_NODES", nodes)
+        monkeypatch.setattr(ReparamChannel, "NODE_RULE_FIRST", first)
+        runs.append(m.channel().moments(y[keep], omega[keep], np.diag(1 - q[:, 0])))
+    assert taken.get(id(ReparamChannel.LOGIT), 0) >= 4 and taken.get(id(ReparamChannel.CUSP), 0) >= 4, taken
+    for a, b in zip((runs[0].log_z, runs[0].g_out, runs[0].dg_out), (runs[1].log_z, runs[1].g_out, runs[1].dg_out)):
+        assert np.array_equal(a, b)
+
+
 @st.composite
 def pinned_draws(draw, correlated=False):
     """SE draws of two-layer attention with the last layer pinned and the first broad:
