@@ -13,6 +13,11 @@ walls θ*_t + j·w (``WALLS``) and, where the window reaches θ_t = 0 or 1, by p
 length out to the prior's reach; Gauss–Legendre on every panel, the tensor product over the
 wedge a_1 + a_2 > 0 (every node carries the reflections ±h_1 and both signs of u_2, as the
 polar rule's nodes do: ``_quadrature.integrate_polar``).
+
+Where a window lies well inside the range, the likelihood is nearly Gaussian in θ itself (Φ ω_2
+affine in θ, ΦΦᵀ slowly varying over it) and the prior's density over θ smooth: there a
+Gauss–Hermite product in θ, centred on θ* and scaled by the likelihood's covariance (``gauss``),
+converges with ≈ 10² nodes instead of the panels' 10⁴ (``gauss_nodes``).
 """
 from __future__ import annotations
 
@@ -106,3 +111,56 @@ def nodes(pairs, axes, todo, n):
     _quadrature.logit_product(a1, w1, p1, a2, w2, p2, cols, first)
     stop = np.cumsum(np.bincount(np.searchsorted(todo, pairs[keep]), weights=count, minlength=len(todo)).astype(np.int64))
     return cols, np.concatenate([[0], stop[:-1]]), stop
+
+
+GAUSS_REACH = 8.0               # the Gauss–Hermite rule's Gaussian must lie this many sd inside the range
+
+
+def gauss(centre, omega, V, meets, skip):
+    """The likelihood's Gaussian in θ per sample and sign: covariance C = V₂₂ (Jᵀ(ΦΦᵀ)⁻¹J)⁻¹ at θ*
+    (J = ∂(Φ ω_2)/∂θ = diag(d, −d), d = ω_21 − ω_22; Φ = Φ(θ*)) and its Cholesky factor (n, 2, 2,
+    2), and per sample whether every sign whose window meets the range has its Gaussian inside
+    it: θ*_t ± GAUSS_REACH sd_t within (0, 1) and θ*_1 + θ*_2 − 1 (the wedge a_1 + a_2 > 0) above
+    GAUSS_REACH sd of it."""
+    d = omega[:, 1, 0] - omega[:, 1, 1]
+    th = np.where(np.isfinite(centre), centre, 0.75)
+    Phi = np.empty(th.shape + (2,))
+    Phi[..., 0, 0], Phi[..., 0, 1] = skip + th[..., 0], 1 - th[..., 0]
+    Phi[..., 1, 0], Phi[..., 1, 1] = 1 - th[..., 1], skip + th[..., 1]
+    J = d[:, None, None, None] * np.array([[1.0, 0.0], [0.0, -1.0]])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        C = V[:, 1, 1, None, None, None] * np.linalg.inv(np.swapaxes(J, -1, -2) @ np.linalg.inv(
+            Phi @ np.swapaxes(Phi, -1, -2)) @ J)
+        sd = np.sqrt(np.diagonal(C, axis1=-2, axis2=-1))
+        k = GAUSS_REACH
+        inside = (np.isfinite(centre).all(axis=2) & (centre - k * sd > 0).all(axis=2) & (centre + k * sd < 1).all(axis=2)
+                  & (centre.sum(axis=2) - 1 > k * np.sqrt(C.sum(axis=(2, 3)))))
+    chol = np.linalg.cholesky(np.where(inside[..., None, None], C, np.eye(2)))
+    return chol, (inside | ~meets).all(axis=1) & meets.any(axis=1)
+
+
+def gauss_nodes(centre, chol, meets, beta, todo, n):
+    """The Gauss–Hermite rule in θ for the samples ``todo`` (``gauss``: every meeting sign's
+    Gaussian inside the range), n × n nodes per sign θ = θ* + √2 L t: rows [h_1 (2), log weight, 5
+    rows for Φ⁻¹ and log|det Φ| (left to the caller's inverse kernel)] by columns, h_1 from a =
+    logit(θ)/β as in ``logit_product``, weight w_i w_j e^{|t|²} 2|det L| Π_t dθ_t/(β θ_t (1 − θ_t))
+    / (2(a_1 + a_2)), and per sample of ``todo`` its range start:stop of columns."""
+    t, wt = np.polynomial.hermite.hermgauss(n)
+    grid = np.stack(np.meshgrid(t, t, indexing="ij")).reshape(2, -1)            # (2, n²)
+    log_w = np.log(np.outer(wt, wt).ravel()) + (grid ** 2).sum(axis=0)
+    pair, sign = np.nonzero(meets[todo])
+    L = chol[todo[pair], sign]                                                  # (pairs, 2, 2)
+    theta = centre[todo[pair], sign][:, :, None] + np.sqrt(2.0) * L @ grid      # (pairs, 2, n²)
+    log_w = log_w + np.log(2 * np.abs(np.linalg.det(L)))[:, None]
+    keep = ((theta > 0) & (theta < 1)).all(axis=1)          # the grid's corners reach past GAUSS_REACH sd
+    theta, log_w = theta.transpose(0, 2, 1)[keep], log_w[keep]                  # (nodes, 2)
+    a = (np.log(theta) - np.log1p(-theta)) / beta
+    S = a.sum(axis=1)
+    inside = S > 0
+    cols = np.empty((8, inside.sum()))
+    root = np.sqrt(S[inside])
+    cols[0], cols[1] = a[inside, 0] / root, -a[inside, 1] / root
+    cols[2] = (log_w - np.log(beta * theta * (1 - theta)).sum(axis=1) - np.log(2 * S))[inside]
+    count = np.bincount(np.repeat(pair, n * n)[keep.ravel()][inside], minlength=len(todo))
+    stop = np.cumsum(count)
+    return cols, stop - count, stop

@@ -393,6 +393,10 @@ class ReparamChannel(PolarRule, Channel):
     # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
     # 0.999) 68 % (see the README, "The logit rule").
     LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4, target=np.inf)
+    # the logit rule's samples whose every window's Gaussian lies inside the range first get the
+    # Gauss–Hermite rule in θ (``logit_rule.gauss``) at n × n nodes per sign, the same way; those
+    # it leaves above the target go on to the panels.
+    GAUSS = dict(nodes=(8, 10, 12, 16, 20), start=1, loose=1e-4, target=np.inf)
     # the same for the samples whose window is about θ = (½, ½) (``escalation["cusp"]``,
     # smi_core.cusp_rule), at (d panel, m) node counts.  Max error on the 71 / 29 it takes of 256
     # draws at q = diag(0, 0.9999) / diag(0, 0.999) (seed 0, against tests/nested_reference.py):
@@ -416,10 +420,19 @@ class ReparamChannel(PolarRule, Channel):
         cusp, near = cusp_rule.applies(centre, w, meets, omega[flagged], V[flagged], c, beta)
         spare = []
         if self.escalation["logit"] and logit.any():
-            i = flagged[logit]
-            pairs, axes = logit_rule.panels(omega[i], V[i], beta, centre[logit], w[logit], meets[logit])
-            spare.append(self._node_rule(i, self.LOGIT, partial(logit_rule.nodes, pairs, axes),
-                                         u, omega, V, Vinv, logdetV, fine, error, target))
+            i, centre_i, meets_i = flagged[logit], centre[logit], meets[logit]
+            chol, fits = logit_rule.gauss(centre_i, omega[i], V[i], meets_i, c)
+            panels = np.ones(len(i), dtype=bool)
+            if fits.any():          # the Gauss–Hermite rule in θ first where it fits, the panels where it did not converge
+                left = self._node_rule(i[fits], self.GAUSS, partial(logit_rule.gauss_nodes, centre_i[fits], chol[fits],
+                                                                    meets_i[fits], beta),
+                                       u, omega, V, Vinv, logdetV, fine, error, target)[0]
+                panels = ~fits | np.isin(i, left)
+            if panels.any():
+                i, centre_i, meets_i = i[panels], centre_i[panels], meets_i[panels]
+                pairs, axes = logit_rule.panels(omega[i], V[i], beta, centre_i, w[logit][panels], meets_i)
+                spare.append(self._node_rule(i, self.LOGIT, partial(logit_rule.nodes, pairs, axes),
+                                             u, omega, V, Vinv, logdetV, fine, error, target))
         if self.escalation["cusp"] and cusp.any():
             i = flagged[cusp]
             layout = cusp_rule.Layout(near[cusp], omega[i], V[i], c, beta)

@@ -874,48 +874,70 @@ def test_cusp_rule_applies_and_its_gaussian():
     assert np.isclose(s_star[0], astar[0].sum()) and np.isclose(sigma_s[0] ** 2, np.linalg.inv(P[0]).sum())
 
 
-@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
-def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
-    """Two layers pinned, V diagonal: the first three state-evolution draws per q that the cusp
-    rule takes (seed 5; q = diag(0, 0.999), diag(0, 0.9999), diag(0.3, 0.9999): ω_1 = 0 runs
-    over the half plane d > 0, ω_1 ≠ 0 over the plane), by default, against the nested
-    reference; the rule ran and its result stood."""
+def _node_rule_against_the_nested_rule(rule, qs, seed, skip, beta, pick_of, monkeypatch):
+    """Two layers pinned, V diagonal: per q the first three state-evolution draws that
+    ``pick_of(u, omega, V)`` picks (a mask) get ``rule`` (the name of a ``_node_rule`` setting)
+    by default, its result stands, and is within RTOL of the nested reference."""
     m = DeepAttention(2, 2, skip=skip, beta=beta)
-    rng = np.random.default_rng(5)
-    stood, rule = [], ReparamChannel._node_rule
+    rng = np.random.default_rng(seed)
+    stood, node_rule = [], ReparamChannel._node_rule
 
     def spy(self, idx, settings, nodes_of, *args):
-        out = rule(self, idx, settings, nodes_of, *args)
-        if settings is self.CUSP:
+        out = node_rule(self, idx, settings, nodes_of, *args)
+        if settings is getattr(self, rule):
             stood.extend(set(idx) - set(out[0]))
         return out
 
     monkeypatch.setattr(ReparamChannel, "_node_rule", spy)
-    for q in ([0.0, 0.999], [0.0, 0.9999], [0.3, 0.9999]):
+    for q in qs:
         q = np.array(q)[:, None]
         omega = np.sqrt(q) * rng.standard_normal((256, 2, 2))
         y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((256, 2, 2)))
         V = np.broadcast_to(np.diag(1 - q[:, 0]), (256, 2, 2)).copy()
         u = np.array([[float(x) for x in ref.u_from_y(yi, beta)] for yi in y])
-        centre, w, meets, _ = logit_rule.windows(u, omega, V, skip)
-        pick = np.flatnonzero(cusp_rule.applies(centre, w, meets, omega, V, skip, beta)[0])[:3]
+        pick = np.flatnonzero(pick_of(u, omega, V))[:3]
         assert len(pick) == 3, q.ravel()
         stood.clear()
         mo = m.channel().moments(y[pick], omega[pick], V[pick])
         assert sorted(stood) == [0, 1, 2], (q.ravel(), stood)
         for k, i in enumerate(pick):
             r = nested.reparam_l2_nested(y[i], omega[i], V[i], skip, beta)
-            if r.error > RTOL / 4:      # (0.5, 2), draw 16 at diag(0, 0.9999): 8.4e-6, at 1.5× 6.1e-12
+            if r.error > RTOL / 4:      # (0.5, 2): cusp draw 16 at diag(0, 0.9999) 8.4e-6, at 1.5× 6.1e-12
                 r = nested.reparam_l2_nested(y[i], omega[i], V[i], skip, beta, n=36, nd=27)
             assert r.error <= RTOL / 4, (q.ravel(), i, r.error)
             err = ref.metric(mo.g_out[k], mo.dg_out[k], r.g_out, r.dg_out)
             assert err <= RTOL, (q.ravel(), i, err, mo.error[k])
 
 
+@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
+def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
+    """The cusp rule's draws (seed 5; q = diag(0, 0.999), diag(0, 0.9999), diag(0.3, 0.9999): ω_1
+    = 0 runs over the half plane d > 0, ω_1 ≠ 0 over the plane)."""
+    def cusp(u, omega, V):
+        centre, w, meets, _ = logit_rule.windows(u, omega, V, skip)
+        return cusp_rule.applies(centre, w, meets, omega, V, skip, beta)[0]
+
+    _node_rule_against_the_nested_rule("CUSP", ([0.0, 0.999], [0.0, 0.9999], [0.3, 0.9999]), 5, skip, beta, cusp,
+                                       monkeypatch)
+
+
+@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
+def test_reparam_l2_gauss_rule_against_the_nested_rule(skip, beta, monkeypatch):
+    """The Gauss–Hermite rule in θ: draws whose every window's Gaussian lies inside the range
+    (``logit_rule.gauss``; seed 7; q = diag(0, 0.9999), diag(0.3, 0.9999))."""
+    def fits(u, omega, V):
+        centre, w, meets, logit = logit_rule.windows(u, omega, V, skip)
+        out = np.zeros(len(u), dtype=bool)
+        out[logit] = logit_rule.gauss(centre[logit], omega[logit], V[logit], meets[logit], skip)[1]
+        return out
+
+    _node_rule_against_the_nested_rule("GAUSS", ([0.0, 0.9999], [0.3, 0.9999]), 7, skip, beta, fits, monkeypatch)
+
+
 def test_reparam_l2_node_rules_by_parts(monkeypatch):
-    """The logit and cusp rules set up their nodes NODE_RULE_NODES at a time: one sample per part
-    and every sample in one part give the same moments (64 state-evolution draws at q = diag(0,
-    0.9999), seed 3, of which both rules take some)."""
+    """The node rules (Gauss–Hermite in θ, logit panels, cusp) set up their nodes NODE_RULE_NODES
+    at a time: one sample per part and every sample in one part give the same moments (64
+    state-evolution draws at q = diag(0, 0.9999), seed 3, of which each rule takes some)."""
     m = model(2)
     rng = np.random.default_rng(3)
     q = np.array([0.0, 0.9999])[:, None]
@@ -934,7 +956,7 @@ def test_reparam_l2_node_rules_by_parts(monkeypatch):
         monkeypatch.setattr(ReparamChannel, "NODE_RULE_NODES", nodes)
         monkeypatch.setattr(ReparamChannel, "NODE_RULE_FIRST", first)
         runs.append(m.channel().moments(y[keep], omega[keep], np.diag(1 - q[:, 0])))
-    assert taken.get(id(ReparamChannel.LOGIT), 0) >= 4 and taken.get(id(ReparamChannel.CUSP), 0) >= 4, taken
+    assert all(taken.get(id(getattr(ReparamChannel, rule)), 0) >= 4 for rule in ("GAUSS", "LOGIT", "CUSP")), taken
     for a, b in zip((runs[0].log_z, runs[0].g_out, runs[0].dg_out), (runs[1].log_z, runs[1].g_out, runs[1].dg_out)):
         assert np.array_equal(a, b)
 
