@@ -152,15 +152,15 @@ def gauss_nodes(centre, chol, meets, beta, todo, n):
     L = chol[todo[pair], sign]                                                  # (pairs, 2, 2)
     theta = centre[todo[pair], sign][:, :, None] + np.sqrt(2.0) * L @ grid      # (pairs, 2, n²)
     log_w = log_w + np.log(2 * np.abs(np.linalg.det(L)))[:, None]
-    keep = ((theta > 0) & (theta < 1)).all(axis=1)          # the grid's corners reach past GAUSS_REACH sd
-    theta, log_w = theta.transpose(0, 2, 1)[keep], log_w[keep]                  # (nodes, 2)
-    a = (np.log(theta) - np.log1p(-theta)) / beta
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = (np.log(theta) - np.log1p(-theta)) / beta
+    # in the range (the grid's corners reach past GAUSS_REACH sd) and the wedge a_1 + a_2 > 0
+    keep = ((theta > 0) & (theta < 1)).all(axis=1) & (a.sum(axis=1) > 0)                  # (pairs, n²)
+    theta, a, log_w = theta.transpose(0, 2, 1)[keep], a.transpose(0, 2, 1)[keep], log_w[keep]
     S = a.sum(axis=1)
-    inside = S > 0
-    cols = np.empty((8, inside.sum()))
-    root = np.sqrt(S[inside])
-    cols[0], cols[1] = a[inside, 0] / root, -a[inside, 1] / root
-    cols[2] = (log_w - np.log(beta * theta * (1 - theta)).sum(axis=1) - np.log(2 * S))[inside]
-    count = np.bincount(np.repeat(pair, n * n)[keep.ravel()][inside], minlength=len(todo))
+    cols = np.empty((8, S.size))
+    cols[0], cols[1] = a[:, 0] / np.sqrt(S), -a[:, 1] / np.sqrt(S)
+    cols[2] = log_w - np.log(beta * theta * (1 - theta)).sum(axis=1) - np.log(2 * S)
+    count = np.bincount(pair, weights=keep.sum(axis=1), minlength=len(todo)).astype(np.int64)
     stop = np.cumsum(count)
     return cols, stop - count, stop
