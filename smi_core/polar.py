@@ -381,22 +381,22 @@ def _half_circles(sizes):
 
 
 def _circle(count):
-    """The half circle of every ring (count: angles per ring, ``_half_circles``): the unit
+    """The half circle of every ring (count: angles per ring, ``_circle_rule``): the unit
     vectors (M, 2) and log weights, ring after ring, and the node counts (= count)."""
-    theta, log_w = _half_circles(count.ravel())
-    return np.stack([np.cos(theta), np.sin(theta)], axis=1), log_w, count
+    return _shells(count, _circle_rule)
 
 
 def _sphere(count):
-    """T = 3: the half sphere of every shell, N = count its angles per half circle: z = cos φ
-    at N Gauss–Legendre nodes and, on the circle at z_j, the midpoint rule θ_k = (k + ½)π/N_j
-    on [0, π) with N_j = max(2, ⌈N √(1 - z_j²)⌉) (the same spacing on every circle); node
-    (z_j, θ_k) stands for its antipode (-z_j, θ_k + π) too (the integrand is folded over
-    h_1 → -h_1), so dΩ = dz dθ is integrated over the whole sphere.  Returns the unit vectors
-    (M, 3), log weights log(w_j π/N_j) and the node counts per shell (count's shape)."""
-    flat = count.ravel()
-    values, inverse = np.unique(flat, return_inverse=True)
-    rules = [_sphere_rule(int(N)) for N in values]
+    """T = 3: the half sphere of every shell (count: angles per half circle, ``_sphere_rule``):
+    the unit vectors (M, 3), log weights and the node counts per shell (count's shape)."""
+    return _shells(count, _sphere_rule)
+
+
+def _shells(count, rule):
+    """Every ring's or shell's rule ``rule(N)`` (N = count, one rule per distinct N, cached),
+    one after the other: the unit vectors, log weights and node counts (count's shape)."""
+    values, inverse = np.unique(count.ravel(), return_inverse=True)
+    rules = [rule(int(N)) for N in values]
     sizes = np.array([len(u) for u, _ in rules])[inverse]
     unit = np.concatenate([rules[i][0] for i in inverse])
     log_w = np.concatenate([rules[i][1] for i in inverse])
@@ -404,8 +404,19 @@ def _sphere(count):
 
 
 @lru_cache(maxsize=None)
+def _circle_rule(N):
+    """The midpoint rule θ_k = (k + ½)π/N on [0, π) (``_half_circles``): unit vectors, log weights."""
+    theta, log_w = _half_circles(np.array([N]))
+    return np.stack([np.cos(theta), np.sin(theta)], axis=1), log_w
+
+
+@lru_cache(maxsize=None)
 def _sphere_rule(N):
-    """One half-sphere rule of ``_sphere``."""
+    """The half sphere with N angles per half circle: z = cos φ at N Gauss–Legendre nodes and,
+    on the circle at z_j, the midpoint rule θ_k = (k + ½)π/N_j on [0, π) with N_j = max(2, ⌈N
+    √(1 - z_j²)⌉) (the same spacing on every circle); node (z_j, θ_k) stands for its antipode
+    (-z_j, θ_k + π) too (the integrand is folded over h_1 → -h_1), so dΩ = dz dθ is integrated
+    over the whole sphere; log weights log(w_j π/N_j)."""
     z, wz = np.polynomial.legendre.leggauss(N)
     rho = np.sqrt(1.0 - z * z)
     Nj = np.maximum(2, np.ceil(N * rho - 1e-9)).astype(np.int64)
