@@ -381,7 +381,7 @@ def _settings(option, defaults, changes):
     """``defaults`` with ``changes`` (the channel option ``option``: NoisyChannel's
     ``conditional``, ReparamChannel's ``escalation``): scale > 0 (× the rings' default counts),
     nodes ≥ 3 and rounds ≥ 0 integers, sd ≥ 0, escalate > 0 or None, 0 < refine ≤ 1, 0 <
-    angular ≤ 2, aspect > 0, logit and cusp True or False."""
+    angular ≤ 2, aspect > 0, logit, cusp and gauss True or False."""
     if changes is not None and not isinstance(changes, dict):
         raise ValueError(f"{option} must be a dict of settings to change (keys {sorted(defaults)}), got {changes!r}")
     out = dict(defaults)
@@ -391,7 +391,7 @@ def _settings(option, defaults, changes):
         if key == "escalate" and value is None:
             out[key] = None
             continue
-        if key in ("logit", "cusp"):
+        if key in ("logit", "cusp", "gauss"):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{option}[{key!r}] must be True or False, got {value!r}")
             out[key] = bool(value)

@@ -267,7 +267,7 @@ class ReparamChannel(PolarRule, Channel):
     # ten; the benchmark's pinned draws, 6.7–7.6 against 30.5–35.0 ms per sample; the same max
     # error on 128 draws against tol = 1e-8 (3.3e-6, the draw estimating 1.0e-6); twelve rounds
     # were slower again beside a busy process (36 against 15 ms, round 11's nodes)
-    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True, cusp=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
+    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True, cusp=True, gauss=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
 
     def _polar_escalation(self, Vinv, error):
         """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
@@ -393,9 +393,10 @@ class ReparamChannel(PolarRule, Channel):
     # state-evolution draws at q = diag(0, 0.9999) (seed 0) took 80 %, 30 of 256 at diag(0,
     # 0.999) 68 % (see the README, "The logit rule").
     LOGIT = dict(nodes=(5, 6, 8, 10, 12, 16), start=2, loose=1e-4, target=np.inf)
-    # the logit rule's samples whose every window's Gaussian lies inside the range first get the
-    # Gauss–Hermite rule in θ (``logit_rule.gauss``) at n × n nodes per sign, the same way; those
-    # it leaves above the target go on to the panels.
+    # before them (``escalation["gauss"]``), the samples whose every window's Gaussian lies inside
+    # the range (``logit_rule.gauss``) — the logit rule's, and those with one window that holds
+    # θ = (½, ½) at k = 9 but whose Gaussian keeps 8 sd from it — get the Gauss–Hermite rule in θ
+    # at n × n nodes per sign, the same way; those it leaves above the target go on to the others.
     GAUSS = dict(nodes=(8, 10, 12, 16, 20), start=1, loose=1e-4, target=np.inf)
     # the same for the samples whose window is about θ = (½, ½) (``escalation["cusp"]``,
     # smi_core.cusp_rule), at (d panel, m) node counts.  Max error on the 71 / 29 it takes of 256
@@ -408,8 +409,9 @@ class ReparamChannel(PolarRule, Channel):
     CUSP = dict(nodes=((5, 10), (6, 12), (8, 14), (10, 18)), start=0, loose=0.0, target=1e-6)
 
     def _polar_shortcut(self, u, omega, V, Vinv, logdetV, fine, error, target):
-        """Two layers, T = 2: the logit rule (``logit_rule``) and the cusp rule (``cusp_rule``)
-        for the samples above ``target`` where they apply, written into ``fine`` and ``error``
+        """Two layers, T = 2: the Gauss–Hermite rule in θ (``logit_rule.gauss``), then the logit
+        rule (``logit_rule``) and the cusp rule (``cusp_rule``) for the samples above ``target``
+        where they apply (and the rules before left them above it), written into ``fine`` and ``error``
         where their estimate is below it; returns the samples where it is not and their (log Z,
         E[Z], Cov[Z], estimate), or None."""
         if self.model.layers != 2 or self.T != 2:
@@ -418,21 +420,21 @@ class ReparamChannel(PolarRule, Channel):
         flagged = np.flatnonzero(error > target)
         centre, w, meets, logit = logit_rule.windows(u[flagged], omega[flagged], V[flagged], c)
         cusp, near = cusp_rule.applies(centre, w, meets, omega[flagged], V[flagged], c, beta)
-        spare = []
-        if self.escalation["logit"] and logit.any():
-            i, centre_i, meets_i = flagged[logit], centre[logit], meets[logit]
-            chol, fits = logit_rule.gauss(centre_i, omega[i], V[i], meets_i, c)
-            panels = np.ones(len(i), dtype=bool)
-            if fits.any():          # the Gauss–Hermite rule in θ first where it fits, the panels where it did not converge
-                left = self._node_rule(i[fits], self.GAUSS, partial(logit_rule.gauss_nodes, centre_i[fits], chol[fits],
-                                                                    meets_i[fits], beta),
+        spare, done = [], np.zeros(len(flagged), dtype=bool)
+        if self.escalation["gauss"]:    # the logit rule's samples, and those with one window, whose Gaussians fit
+            chol, fits = logit_rule.gauss(centre, omega[flagged], V[flagged], meets, c)
+            fits &= np.isfinite(w) & (V[flagged, 0, 1] == 0) & (logit | (meets.sum(axis=1) == 1))
+            if fits.any():
+                left = self._node_rule(flagged[fits], self.GAUSS, partial(logit_rule.gauss_nodes, centre[fits], chol[fits],
+                                                                          meets[fits], beta),
                                        u, omega, V, Vinv, logdetV, fine, error, target)[0]
-                panels = ~fits | np.isin(i, left)
-            if panels.any():
-                i, centre_i, meets_i = i[panels], centre_i[panels], meets_i[panels]
-                pairs, axes = logit_rule.panels(omega[i], V[i], beta, centre_i, w[logit][panels], meets_i)
-                spare.append(self._node_rule(i, self.LOGIT, partial(logit_rule.nodes, pairs, axes),
-                                             u, omega, V, Vinv, logdetV, fine, error, target))
+                done = fits & ~np.isin(flagged, left)
+        logit, cusp = logit & ~done, cusp & ~done
+        if self.escalation["logit"] and logit.any():
+            i = flagged[logit]
+            pairs, axes = logit_rule.panels(omega[i], V[i], beta, centre[logit], w[logit], meets[logit])
+            spare.append(self._node_rule(i, self.LOGIT, partial(logit_rule.nodes, pairs, axes),
+                                         u, omega, V, Vinv, logdetV, fine, error, target))
         if self.escalation["cusp"] and cusp.any():
             i = flagged[cusp]
             layout = cusp_rule.Layout(near[cusp], omega[i], V[i], c, beta)

@@ -922,14 +922,15 @@ def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
 
 
 @pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
-def test_reparam_l2_gauss_rule_against_the_nested_rule(skip, beta, monkeypatch):
+@pytest.mark.parametrize("logit", [True, False], ids=["logit-windows", "one-window"])
+def test_reparam_l2_gauss_rule_against_the_nested_rule(skip, beta, logit, monkeypatch):
     """The Gauss–Hermite rule in θ: draws whose every window's Gaussian lies inside the range
-    (``logit_rule.gauss``; seed 7; q = diag(0, 0.9999), diag(0.3, 0.9999))."""
+    (``logit_rule.gauss``; seed 7; q = diag(0, 0.9999), diag(0.3, 0.9999)), the logit rule's or
+    (``logit`` False) with one window that holds θ = (½, ½)."""
     def fits(u, omega, V):
-        centre, w, meets, logit = logit_rule.windows(u, omega, V, skip)
-        out = np.zeros(len(u), dtype=bool)
-        out[logit] = logit_rule.gauss(centre[logit], omega[logit], V[logit], meets[logit], skip)[1]
-        return out
+        centre, w, meets, logit_rule_applies = logit_rule.windows(u, omega, V, skip)
+        gauss = logit_rule.gauss(centre, omega, V, meets, skip)[1]
+        return gauss & (logit_rule_applies if logit else ~logit_rule_applies & (meets.sum(axis=1) == 1))
 
     _node_rule_against_the_nested_rule("GAUSS", ([0.0, 0.9999], [0.3, 0.9999]), 7, skip, beta, fits, monkeypatch)
 

@@ -187,7 +187,7 @@ def test_bad_backend():
         DeepAttention(layers=2, tokens=2, rank=1, backend="gpu").forward(np.zeros((2, 2)))
 
 
-@pytest.mark.parametrize("key", ["logit", "cusp"])
+@pytest.mark.parametrize("key", ["logit", "cusp", "gauss"])
 def test_escalation_switches_must_be_bool(key):
     with pytest.raises(ValueError, match=rf"escalation\['{key}'\] must be True or False, got 1"):
         DeepAttention(2, 2).channel(escalation={key: 1})
