@@ -1,6 +1,6 @@
 """Channel moments (log Z_out, g_out and the full Jacobian ∂_ω g_out): microseconds per sample
-on one core (best of three, CPU time of this process with threads=1 — run it with
-OPENBLAS_NUM_THREADS=1 — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
+on one core (best of three, CPU time of this process with threads=1 and one BLAS thread:
+OPENBLAS_NUM_THREADS=1 unless set — so a busy shared machine inflates it less than wall time), and the accuracy reached against the independent reference of
 tests/channel_reference.py (max abs error over (g_out, dg_out) / max abs entry); for three
 layers, and noisy two layers below Δ = 1e-3 (one row for the preimage rule's samples, one for
 the chart rule's, with their shares), with --self-reference K, against the same rule at twice the node counts on K draws
@@ -31,11 +31,15 @@ T = 2 ≤ 2 ms per sample at ≤ 1e-4.
                                   [--nested-reference K]
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# one core: numpy's BLAS threads (batched inverses) spin on the other one after each call and
+# count in the process time (the first setting of a run measured up to 2× the same setting later)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import channel_reference as ref  # noqa: E402
