@@ -1396,17 +1396,19 @@ cdef void _nodes_sample(cols_t f, const double* par, const double* data,
 
 def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] seg_b1,
                const long[::1] seg_ring, const long[:, :, ::1] window, const long[::1] start,
-               unsigned char[::1] used, long[::1] who, long[::1] lo, long[::1] hi):
+               unsigned char[::1] used, int[::1] kept, long[::1] who, long[::1] lo, long[::1] hi):
     """Each sample's arcs of the polar rule's blocks as node ranges (``polar._arc_plan``).
     Segment j of sample[j] runs over blocks seg_b0[j]:seg_b1[j], ring seg_ring[j] + k of the
     sample's ``window`` for its k-th block, whose nodes start at start[b] and of which the
     ranges [lo', hi') and [lo, hi) = window[i, ring, 3:5], window[i, ring, 1:3] count.  Marks
-    ``used`` (the nodes some range covers), then writes the ranges in the numbering of the used
-    nodes alone, ranges of a sample that adjoin there merged: (who, lo, hi)[:m].  Returns m."""
+    ``used`` (the nodes some range covers) and writes ``kept`` (used.size + 1, zeros on entry:
+    kept[k] the used nodes before k), then the ranges in the numbering of the used nodes alone,
+    ranges of a sample that adjoin there merged: (who, lo, hi)[:m].  Returns m."""
     cdef Py_ssize_t n_seg = seg_b0.shape[0], total = used.shape[0], j, k, b, r = 0, m = 0
-    cdef long ring, a0, a1, c = 0
-    cdef int part
-    cdef long* mark = <long*> calloc(total + 1, sizeof(long))
+    cdef long ring, a0, a1
+    cdef int c = 0, part
+    if kept.shape[0] != total + 1:
+        raise ValueError("polar_arcs needs kept of one more entry than used")
     with nogil:
         for j in range(n_seg):              # the ranges in the set-up nodes' numbering
             for b in range(seg_b0[j], seg_b1[j]):
@@ -1415,25 +1417,24 @@ def polar_arcs(const long[::1] sample, const long[::1] seg_b0, const long[::1] s
                     a0, a1 = window[sample[j], ring, part], window[sample[j], ring, part + 1]
                     if a1 > a0:
                         who[r], lo[r], hi[r] = sample[j], start[b] + a0, start[b] + a1
-                        mark[lo[r]] += 1
-                        mark[hi[r]] -= 1
+                        kept[lo[r]] += 1
+                        kept[hi[r]] -= 1
                         r += 1
-        for k in range(total):              # mark: the running cover, then the used nodes before k
-            c += mark[k]
+        for k in range(total):              # kept: the running cover, then the used nodes before k
+            c += kept[k]
             used[k] = c > 0
         c = 0
         for k in range(total + 1):
-            mark[k] = c
+            kept[k] = c
             if k < total:
                 c += used[k]
         for j in range(r):                  # renumbered in place (m ≤ j), adjoining ranges merged
-            a0, a1 = mark[lo[j]], mark[hi[j]]
+            a0, a1 = kept[lo[j]], kept[hi[j]]
             if m > 0 and who[m - 1] == who[j] and hi[m - 1] == a0:
                 hi[m - 1] = a1
             else:
                 who[m], lo[m], hi[m] = who[j], a0, a1
                 m += 1
-    free(mark)
     return m
 
 

@@ -494,12 +494,12 @@ def _arc_plan(layers, shape, size, start, sample, seg_b0, seg_b1, seg_ring, wind
     used = np.empty(start[-1], dtype=np.uint8)
     pairs = 2 * int((seg_b1 - seg_b0).sum())
     who, lo, hi = (np.empty(pairs, dtype=np.int64) for _ in range(3))
-    m = _quadrature.polar_arcs(sample, seg_b0, seg_b1, seg_ring, window, start, used, who, lo, hi)
-    used = used.view(bool)
-    kept = np.concatenate([[0], np.cumsum(used)])
-    live = np.diff(kept[start])                                   # kept nodes per block
+    kept = np.zeros(start[-1] + 1, dtype=np.intc)                  # the kept nodes before each set-up node
+    m = _quadrature.polar_arcs(sample, seg_b0, seg_b1, seg_ring, window, start, used, kept, who, lo, hi)
+    used, bound = used.view(bool), kept[start].astype(np.int64)
+    live = np.diff(bound)                                         # kept nodes per block
     set_up = np.where(live > 0, size, 0)
-    return Plan(layers, shape, set_up, used[np.repeat(live > 0, size)], kept[start], who[:m], lo[:m], hi[:m])
+    return Plan(layers, shape, set_up, used[np.repeat(live > 0, size)], bound, who[:m], lo[:m], hi[:m])
 
 
 def _window(rings, group, omega, rest):
