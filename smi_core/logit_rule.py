@@ -117,25 +117,27 @@ GAUSS_REACH = 8.0               # the Gauss–Hermite rule's Gaussian must lie t
 
 
 def gauss(centre, omega, V, meets, skip):
-    """The likelihood's Gaussian in θ per sample and sign: covariance C = V₂₂ (Jᵀ(ΦΦᵀ)⁻¹J)⁻¹ at θ*
-    (J = ∂(Φ ω_2)/∂θ = diag(d, −d), d = ω_21 − ω_22; Φ = Φ(θ*)) and its Cholesky factor (n, 2, 2,
-    2), and per sample whether every sign whose window meets the range has its Gaussian inside
-    it: θ*_t ± GAUSS_REACH sd_t within (0, 1) and θ*_1 + θ*_2 − 1 (the wedge a_1 + a_2 > 0) above
-    GAUSS_REACH sd of it."""
+    """The likelihood's Gaussian in θ per sample and sign: covariance C = V₂₂ (Jᵀ(ΦΦᵀ)⁻¹J)⁻¹ =
+    V₂₂ J⁻¹ΦΦᵀJ⁻¹ at θ* (J = ∂(Φ ω_2)/∂θ = diag(d, −d), d = ω_21 − ω_22; Φ = Φ(θ*)) and its
+    Cholesky factor (n, 2, 2, 2), and per sample whether every sign whose window meets the range
+    has its Gaussian inside it: θ*_t ± GAUSS_REACH sd_t within (0, 1) and θ*_1 + θ*_2 − 1 (the
+    wedge a_1 + a_2 > 0) above GAUSS_REACH sd of it (d = 0 or a non-finite θ*: not inside)."""
     d = omega[:, 1, 0] - omega[:, 1, 1]
-    th = np.where(np.isfinite(centre), centre, 0.75)
-    Phi = np.empty(th.shape + (2,))
-    Phi[..., 0, 0], Phi[..., 0, 1] = skip + th[..., 0], 1 - th[..., 0]
-    Phi[..., 1, 0], Phi[..., 1, 1] = 1 - th[..., 1], skip + th[..., 1]
-    J = d[:, None, None, None] * np.array([[1.0, 0.0], [0.0, -1.0]])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        C = V[:, 1, 1, None, None, None] * np.linalg.inv(np.swapaxes(J, -1, -2) @ np.linalg.inv(
-            Phi @ np.swapaxes(Phi, -1, -2)) @ J)
+    Phi = np.empty(centre.shape + (2,))
+    Phi[..., 0, 0], Phi[..., 0, 1] = skip + centre[..., 0], 1 - centre[..., 0]
+    Phi[..., 1, 0], Phi[..., 1, 1] = 1 - centre[..., 1], skip + centre[..., 1]
+    flip = np.array([[1.0, -1.0], [-1.0, 1.0]])                                 # J⁻¹ · J⁻¹ = flip / d²
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        C = (V[:, 1, 1] / d ** 2)[:, None, None, None] * flip * (Phi @ np.swapaxes(Phi, -1, -2))
         sd = np.sqrt(np.diagonal(C, axis1=-2, axis2=-1))
         k = GAUSS_REACH
-        inside = (np.isfinite(centre).all(axis=2) & (centre - k * sd > 0).all(axis=2) & (centre + k * sd < 1).all(axis=2)
-                  & (centre.sum(axis=2) - 1 > k * np.sqrt(C.sum(axis=(2, 3)))))
-    chol = np.linalg.cholesky(np.where(inside[..., None, None], C, np.eye(2)))
+        low = C[..., 0, 1] / sd[..., 0]
+        rest = C[..., 1, 1] - low ** 2                                          # C = L Lᵀ, L lower
+        inside = ((centre - k * sd > 0).all(axis=2) & (centre + k * sd < 1).all(axis=2)
+                  & (centre.sum(axis=2) - 1 > k * np.sqrt(C.sum(axis=(2, 3)))) & (rest > 0))
+    chol = np.zeros(C.shape)
+    chol[..., 0, 0], chol[..., 1, 0] = np.where(inside, sd[..., 0], 1.0), np.where(inside, low, 0.0)
+    chol[..., 1, 1] = np.where(inside, np.sqrt(np.where(inside, rest, 1.0)), 1.0)
     return chol, (inside | ~meets).all(axis=1) & meets.any(axis=1)
 
 

@@ -710,9 +710,10 @@ def test_reparam_l2_pinned_ridge(draw, monkeypatch):
     ridge.  Draw 74 was 2.3e-2 off both by default and at `tol=1e-8`, so that comparing the two
     did not show it.  The mpmath reference agrees on draw 119 with an integration in other
     coordinates (d = h₁₁ - h₁₂, m = (h₁₁ + h₁₂)/2) to 3e-14 in log Z.  Since 2026-12-01 the
-    logit rule takes these four draws by default (their windows avoid θ = (½, ½)), so the
-    adaptive rule is checked with it off (``escalation={"logit": False}``), and the test checks
-    that by default the logit rule ran and its result stood."""
+    logit rule takes these four draws by default (their windows avoid θ = (½, ½); since
+    2026-12-02 the Gauss–Hermite rule in θ where their Gaussians fit), so the adaptive rule is
+    checked with both off (``escalation={"logit": False, "gauss": False}``), and the test checks
+    that by default one of them ran and its result stood."""
     (a, b), w2 = PINNED_RIDGES[draw]
     y = np.array([[1.0 - a, a], [b, 1.0 - b]])
     omega = np.array([[0.0, 0.0], w2])
@@ -727,7 +728,7 @@ def test_reparam_l2_pinned_ridge(draw, monkeypatch):
         taken.append(bool(error[0] < before[0] and error[0] <= target[0]))
 
     monkeypatch.setattr(ReparamChannel, "_polar_shortcut", spy)
-    for ch in (model(2).channel(), channel(2), model(2).channel(escalation={"logit": False})):
+    for ch in (model(2).channel(), channel(2), model(2).channel(escalation={"logit": False, "gauss": False})):
         mo = ch.moments(y[None], omega[None], V)
         assert ref.metric(mo.g_out[0], mo.dg_out[0], r.g_out, r.dg_out) <= RTOL, (mo.log_z[0], r.log_z, mo.error[0])
     assert taken[0] and not taken[2], taken      # with tol=1e-7 (taken[1]) it stands only below 1e-8
@@ -736,7 +737,8 @@ def test_reparam_l2_pinned_ridge(draw, monkeypatch):
 def test_reparam_l2_logit_rule_draw_the_rounds_miss():
     """Benchmark draw 53 at q = diag(0, 0.9999) (y near the identity): the polar rounds and the
     adaptive rule were 2.1e-3 off the mpmath reference there by default and at tol = 1e-9
-    (estimate 3.1e-6); the logit rule, which takes it by default since 2026-12-01, 2.4e-8."""
+    (estimate 3.1e-6); the logit rule, which took it by default from 2026-12-01, 2.4e-8, and the
+    Gauss–Hermite rule in θ, which takes it since 2026-12-02, 7.7e-8."""
     y = np.array([[0.9999999883482783, 1.1651721570595643e-08], [1.4653529090777638e-09, 0.999999998534647]])
     omega = np.array([[0.0, 0.0], [1.8968069066937314, -2.35962280532581]])
     V = np.diag([1.0, 1e-4])
@@ -744,8 +746,9 @@ def test_reparam_l2_logit_rule_draw_the_rounds_miss():
     assert r.error <= 1e-7
     errors = [ref.metric(mo.g_out[0], mo.dg_out[0], r.g_out, r.dg_out)
               for mo in (model(2).channel(**options).moments(y[None], omega[None], V)
-                         for options in ({}, {"escalation": {"logit": False}}))]
-    assert errors[0] <= RTOL and errors[1] > 1e-4, errors
+                         for options in ({}, {"escalation": {"gauss": False}},
+                                         {"escalation": {"logit": False, "gauss": False}}))]
+    assert errors[0] <= RTOL and errors[1] <= RTOL and errors[2] > 1e-4, errors
 
 
 def test_reparam_l2_pinned_without_skip_runs():
@@ -915,7 +918,7 @@ def test_reparam_l2_cusp_rule_against_the_nested_rule(skip, beta, monkeypatch):
     = 0 runs over the half plane d > 0, ω_1 ≠ 0 over the plane)."""
     def cusp(u, omega, V):
         centre, w, meets, _ = logit_rule.windows(u, omega, V, skip)
-        return cusp_rule.applies(centre, w, meets, omega, V, skip, beta)[0]
+        return cusp_rule.applies(centre, w, meets, omega, V, skip, beta)[0] & ~_gauss_fits(u, omega, V, skip, None)
 
     _node_rule_against_the_nested_rule("CUSP", ([0.0, 0.999], [0.0, 0.9999], [0.3, 0.9999]), 5, skip, beta, cusp,
                                        monkeypatch)
@@ -927,12 +930,18 @@ def test_reparam_l2_gauss_rule_against_the_nested_rule(skip, beta, logit, monkey
     """The Gauss–Hermite rule in θ: draws whose every window's Gaussian lies inside the range
     (``logit_rule.gauss``; seed 7; q = diag(0, 0.9999), diag(0.3, 0.9999)), the logit rule's or
     (``logit`` False) with one window that holds θ = (½, ½)."""
-    def fits(u, omega, V):
-        centre, w, meets, logit_rule_applies = logit_rule.windows(u, omega, V, skip)
-        gauss = logit_rule.gauss(centre, omega, V, meets, skip)[1]
-        return gauss & (logit_rule_applies if logit else ~logit_rule_applies & (meets.sum(axis=1) == 1))
+    _node_rule_against_the_nested_rule("GAUSS", ([0.0, 0.9999], [0.3, 0.9999]), 7, skip, beta,
+                                       lambda u, omega, V: _gauss_fits(u, omega, V, skip, logit), monkeypatch)
 
-    _node_rule_against_the_nested_rule("GAUSS", ([0.0, 0.9999], [0.3, 0.9999]), 7, skip, beta, fits, monkeypatch)
+
+def _gauss_fits(u, omega, V, skip, logit):
+    """The draws (V diagonal) whose every window's Gaussian fits in the range
+    (``logit_rule.gauss``): those of the logit rule (``logit``) or with one window, or (None)
+    both, as the channel takes them."""
+    centre, w, meets, logit_rule_applies = logit_rule.windows(u, omega, V, skip)
+    one = ~logit_rule_applies & (meets.sum(axis=1) == 1) & np.isfinite(w)
+    kind = logit_rule_applies | one if logit is None else logit_rule_applies if logit else one
+    return logit_rule.gauss(centre, omega, V, meets, skip)[1] & kind
 
 
 def test_reparam_l2_node_rules_by_parts(monkeypatch):
