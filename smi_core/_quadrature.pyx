@@ -33,7 +33,7 @@ in polar mode).
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cython.parallel cimport prange
 from libc.math cimport cos, exp, fabs, fmax, fmin, log, sin, sqrt, INFINITY, M_PI, M_LN2, isfinite
-from libc.stdlib cimport calloc, malloc, free
+from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
 

@@ -116,12 +116,14 @@ def nodes(pairs, axes, todo, n):
 GAUSS_REACH = 8.0               # the Gauss–Hermite rule's Gaussian must lie this many sd inside the range
 
 
-def gauss(centre, omega, V, meets, skip):
+def gauss(centre, omega, V, meets, logit, skip):
     """The likelihood's Gaussian in θ per sample and sign: covariance C = V₂₂ (Jᵀ(ΦΦᵀ)⁻¹J)⁻¹ =
     V₂₂ J⁻¹ΦΦᵀJ⁻¹ at θ* (J = ∂(Φ ω_2)/∂θ = diag(d, −d), d = ω_21 − ω_22; Φ = Φ(θ*)) and its
-    Cholesky factor (n, 2, 2, 2), and per sample whether every sign whose window meets the range
-    has its Gaussian inside it: θ*_t ± GAUSS_REACH sd_t within (0, 1) and θ*_1 + θ*_2 − 1 (the
-    wedge a_1 + a_2 > 0) above GAUSS_REACH sd of it (d = 0 or a non-finite θ*: not inside)."""
+    Cholesky factor (n, 2, 2, 2), and per sample whether the Gauss–Hermite rule applies: V₁₂ = 0,
+    the logit rule applies (``logit``, ``windows``) or one sign's window meets the range, and
+    every sign whose window meets it has its Gaussian inside it: θ*_t ± GAUSS_REACH sd_t within
+    (0, 1) and θ*_1 + θ*_2 − 1 (the wedge a_1 + a_2 > 0) above GAUSS_REACH sd of it (d = 0 or a
+    non-finite θ*: not inside)."""
     d = omega[:, 1, 0] - omega[:, 1, 1]
     Phi = np.empty(centre.shape + (2,))
     Phi[..., 0, 0], Phi[..., 0, 1] = skip + centre[..., 0], 1 - centre[..., 0]
@@ -137,8 +139,9 @@ def gauss(centre, omega, V, meets, skip):
                   & (centre.sum(axis=2) - 1 > k * np.sqrt(C.sum(axis=(2, 3)))) & (rest > 0))
     chol = np.zeros(C.shape)
     chol[..., 0, 0], chol[..., 1, 0] = np.where(inside, sd[..., 0], 1.0), np.where(inside, low, 0.0)
-    chol[..., 1, 1] = np.where(inside, np.sqrt(np.where(inside, rest, 1.0)), 1.0)
-    return chol, (inside | ~meets).all(axis=1) & meets.any(axis=1)
+    chol[..., 1, 1] = np.sqrt(np.where(inside, rest, 1.0))
+    fits = (inside | ~meets).all(axis=1) & meets.any(axis=1)
+    return chol, fits & (V[:, 0, 1] == 0) & (logit | (meets.sum(axis=1) == 1))
 
 
 def gauss_nodes(centre, chol, meets, beta, todo, n):

@@ -424,8 +424,7 @@ class ReparamChannel(PolarRule, Channel):
         cusp, near = cusp_rule.applies(centre, w, meets, omega[flagged], V[flagged], c, beta)
         spare, done = [], np.zeros(len(flagged), dtype=bool)
         if self.escalation["gauss"]:    # the logit rule's samples, and those with one window, whose Gaussians fit
-            chol, fits = logit_rule.gauss(centre, omega[flagged], V[flagged], meets, c)
-            fits &= np.isfinite(w) & (V[flagged, 0, 1] == 0) & (logit | (meets.sum(axis=1) == 1))
+            chol, fits = logit_rule.gauss(centre, omega[flagged], V[flagged], meets, logit, c)
             if fits.any():
                 left = self._node_rule(flagged[fits], self.GAUSS, partial(logit_rule.gauss_nodes, centre[fits], chol[fits],
                                                                           meets[fits], beta),

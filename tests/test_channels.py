@@ -935,13 +935,11 @@ def test_reparam_l2_gauss_rule_against_the_nested_rule(skip, beta, logit, monkey
 
 
 def _gauss_fits(u, omega, V, skip, logit):
-    """The draws (V diagonal) whose every window's Gaussian fits in the range
-    (``logit_rule.gauss``): those of the logit rule (``logit``) or with one window, or (None)
-    both, as the channel takes them."""
+    """The draws the Gauss–Hermite rule takes (``logit_rule.gauss``): those of the logit rule
+    (``logit``), the others (not ``logit``), or (None) both."""
     centre, w, meets, logit_rule_applies = logit_rule.windows(u, omega, V, skip)
-    one = ~logit_rule_applies & (meets.sum(axis=1) == 1) & np.isfinite(w)
-    kind = logit_rule_applies | one if logit is None else logit_rule_applies if logit else one
-    return logit_rule.gauss(centre, omega, V, meets, skip)[1] & kind
+    fits = logit_rule.gauss(centre, omega, V, meets, logit_rule_applies, skip)[1]
+    return fits if logit is None else fits & (logit_rule_applies == logit)
 
 
 def test_reparam_l2_node_rules_by_parts(monkeypatch):
