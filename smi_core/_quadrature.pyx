@@ -2360,3 +2360,50 @@ cdef Py_ssize_t _first_above(const double[::1] x, Py_ssize_t lo, Py_ssize_t hi, 
         else:
             lo = mid + 1
     return lo
+
+
+cdef inline Py_ssize_t _count_below(const long[::1] x, long v, bint equal) noexcept nogil:
+    """The number of entries of the ascending x below v (with ``equal``: at most v)."""
+    cdef Py_ssize_t lo = 0, hi = x.shape[0], mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x[mid] < v or (equal and x[mid] == v):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def piece_counts(const long[::1] seg_start, const long[::1] seg_stop, const long[::1] edges, long[::1] ptr):
+    """``polar._by_piece``, first pass: each segment seg_start[j]:seg_stop[j] of kept nodes is
+    cut at the pieces' ``edges`` (piece p: edges[p]:edges[p + 1]); ptr (edges.shape[0], zeros on
+    entry) becomes each piece's first cut segment, ptr[-1] their number."""
+    cdef Py_ssize_t j, p, P = edges.shape[0] - 1
+    if ptr.shape[0] != edges.shape[0] or seg_stop.shape[0] != seg_start.shape[0]:
+        raise ValueError("piece_counts needs one ptr entry per edge and a stop per start")
+    with nogil:
+        for j in range(seg_start.shape[0]):
+            for p in range(_count_below(edges, seg_start[j], True) - 1, _count_below(edges, seg_stop[j], False)):
+                ptr[p + 1] += 1
+        for p in range(P):
+            ptr[p + 1] += ptr[p]
+
+
+def piece_segments(const long[::1] sample, const long[::1] seg_start, const long[::1] seg_stop,
+                   const long[::1] edges, const long[::1] ptr, long[::1] who, long[::1] start, long[::1] stop):
+    """``polar._by_piece``, second pass (``ptr`` from ``piece_counts``): the cut segments (who,
+    start, stop), by piece and within a piece in the segments' order (by sample)."""
+    cdef Py_ssize_t j, p, k, P = edges.shape[0] - 1
+    cdef long* cursor
+    if who.shape[0] < ptr[P] or start.shape[0] < ptr[P] or stop.shape[0] < ptr[P]:
+        raise ValueError("piece_segments needs who, start and stop of ptr[-1] entries")
+    cursor = <long*> malloc(max(P, 1) * sizeof(long))
+    with nogil:
+        for p in range(P):
+            cursor[p] = ptr[p]
+        for j in range(seg_start.shape[0]):
+            for p in range(_count_below(edges, seg_start[j], True) - 1, _count_below(edges, seg_stop[j], False)):
+                k = cursor[p]
+                cursor[p] += 1
+                who[k], start[k], stop[k] = sample[j], max(seg_start[j], edges[p]), min(seg_stop[j], edges[p + 1])
+    free(cursor)

@@ -209,20 +209,25 @@ class PolarRule:
             size = size * rl.count[axis]
             far = far + rl.far[axis]
         size = np.where(far <= reach2, size, 0).reshape(-1)              # (G · Π shape) blocks
-        rest, near = np.full((len(group), 1), reach2), True
-        if len(layers) == 2:                    # (n, nodes of the first layer)
-            rest = reach2 - self._sample_far(layers[0], group)
-            near = rest >= _arc(layers[0], group, omega[:, 0])
-        first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)))
+        n = len(group)
+        if len(layers) == 2:    # the pairs (sample, node of the first layer) within the sample's ball
+            lo, hi = _ring_range(layers[0], group, np.full(n, self._polar_params()["reach"]), np.arange(n))
+            sample = np.repeat(np.arange(n), hi - lo)
+            col = lo[sample] + _rank(hi - lo)
+            rest = reach2 - _far(layers[0], layers[0].radius[group[sample], col], sample)
+            near = rest >= _arc(layers[0], group[sample], col, sample, omega[sample, 0])
+        else:
+            sample, col, rest, near = np.arange(n), np.zeros(n, dtype=np.int64), np.full(n, reach2), True
+        first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)), sample)
         has = near & (rest >= 0) & (last > first)
-        row = (group[:, None] * rest.shape[1] + np.arange(rest.shape[1])) * shape[-1]
-        seg_b0, seg_b1 = (row + first)[has], (row + last)[has]      # each sample's segments of blocks
-        sample = np.repeat(np.arange(len(group)), has.sum(axis=1))
+        row = (group[sample] * (shape[0] if len(layers) == 2 else 1) + col) * shape[-1]
+        seg_b0, seg_b1, sample = (row + first)[has], (row + last)[has], sample[has]  # the segments of blocks
         cover = np.bincount(seg_b0, minlength=size.size + 1) - np.bincount(seg_b1, minlength=size.size + 1)
         size = np.where(np.cumsum(cover[:-1]) > 0, size, 0)     # only the blocks some sample runs over
         start = np.concatenate([[0], np.cumsum(size)])
         if len(layers) == 2 and not layers[-1].origin:          # only the samples' arcs
-            window = _window(layers[-1], group, omega[:, 1], reach2 - self._sample_far(layers[-1], group))
+            far = _far(layers[-1], layers[-1].radius[group], np.arange(n)[:, None])
+            window = _window(layers[-1], group, omega[:, 1], reach2 - far)
             return _arc_plan(layers, (G,) + shape, size, start, sample, seg_b0, seg_b1, first[has], window)
         return Plan(layers, (G,) + shape, size, None, start, sample, start[seg_b0], start[seg_b1])
 
@@ -263,15 +268,6 @@ class PolarRule:
     def _polar_round_scales(self, scale, rounds):
         """The escalation's rounds: the counts × 1.5 per round in every direction."""
         return _growing(scale, 1.5, rounds)
-
-    @staticmethod
-    def _sample_far(rings, group):
-        """d(r)²/V_ℓℓ of every sample's group's rings, d the distance to the sample's |ω_ℓ| (to
-        [0, |ω_ℓ|] for rings from the origin)."""
-        r = rings.radius[group]
-        lo = np.zeros_like(rings.mu) if rings.origin else rings.mu
-        d = np.maximum(0.0, np.maximum(lo[:, None] - r, r - rings.mu[:, None]))
-        return d ** 2 / rings.var[:, None]
 
     def _polar_run(self, u, omega, V, Vinv, logdetV, scale):
         """One pass of the polar rule, POLAR_CHUNK groups of samples at a time (bounded memory
@@ -435,16 +431,13 @@ def _about(ref, log_z, mean, second):
 def _by_piece(plan, edges):
     """The plan's segments cut at the pieces' edges (kept nodes edges[p]:edges[p + 1] make piece
     p): (sample, start, stop) of the cut segments sorted by piece and, within one, by sample,
-    and each piece's first cut segment (pieces + 1)."""
-    first = np.searchsorted(edges, plan.seg_start, side="right") - 1
-    count = np.searchsorted(edges, plan.seg_stop, side="left") - first      # pieces each segment spans
-    seg = np.repeat(np.arange(len(first)), count)
-    piece = first[seg] + _rank(count)
-    order = np.argsort(piece, kind="stable")                                # segments are by sample
-    seg, piece = seg[order], piece[order]
-    start = np.maximum(plan.seg_start[seg], edges[piece])
-    stop = np.minimum(plan.seg_stop[seg], edges[piece + 1])
-    return plan.sample[seg], start, stop, np.searchsorted(piece, np.arange(len(edges)))
+    and each piece's first cut segment (pieces + 1; ``_quadrature.piece_counts``,
+    ``piece_segments``)."""
+    ptr = np.zeros(len(edges), dtype=np.int64)
+    _quadrature.piece_counts(plan.seg_start, plan.seg_stop, edges, ptr)
+    who, start, stop = (np.empty(ptr[-1], dtype=np.int64) for _ in range(3))
+    _quadrature.piece_segments(plan.sample, plan.seg_start, plan.seg_stop, edges, ptr, who, start, stop)
+    return who, start, stop, ptr
 
 
 def _merge(total, idx, part):
@@ -477,11 +470,20 @@ def _by_node(rings):
     return rings._replace(radius=radius, count=count, far=far, node=node)
 
 
-def _arc(rings, group, omega):
-    """|x - ω|²/V_ℓℓ − d(r)²/V_ℓℓ = 2(r|ω| − |x·ω|)/V_ℓℓ of every node of a layer by node
-    (``_by_node``) and the sample's ω (folded: min over ±ω)."""
-    arc = rings.radius[group] * rings.mu[:, None] - np.abs(np.einsum("nkt,nt->nk", rings.node[group], omega))
-    return 2 * np.maximum(arc, 0.0) / rings.var[:, None]
+def _far(rings, r, sample):
+    """d(r)²/V_ℓℓ of radii r, d the distance to the sample's |ω_ℓ| (to [0, |ω_ℓ|] for rings from
+    the origin); ``sample`` indexes the rings' samples, broadcast against r."""
+    mu = rings.mu[sample]
+    lo = np.zeros_like(mu) if rings.origin else mu
+    d = np.maximum(0.0, np.maximum(lo - r, r - mu))
+    return d ** 2 / rings.var[sample]
+
+
+def _arc(rings, group, col, sample, omega):
+    """|x - ω|²/V_ℓℓ − d(r)²/V_ℓℓ = 2(r|ω| − |x·ω|)/V_ℓℓ of nodes ``col`` of a layer by node
+    (``_by_node``) in the groups ``group`` and the samples' ω (folded: min over ±ω), per pair."""
+    arc = rings.radius[group, col] * rings.mu[sample] - np.abs((rings.node[group, col] * omega).sum(axis=1))
+    return 2 * np.maximum(arc, 0.0) / rings.var[sample]
 
 
 def _arc_plan(layers, shape, size, start, sample, seg_b0, seg_b1, seg_ring, window):
@@ -523,16 +525,17 @@ def _window(rings, group, omega, rest):
                                          axis=2))
 
 
-def _ring_range(rings, group, reach):
-    """Per sample and reach (n, k): the rings of its group with d(r)²/V_ℓℓ ≤ reach², d the
-    distance to the sample's |ω_ℓ| (to [0, |ω_ℓ|] from the origin): first and last + 1 (the
-    radii increase within a group)."""
-    sd = np.sqrt(rings.var)[:, None] * reach
-    lo = np.zeros((len(group), 1)) if rings.origin else rings.mu[:, None]
-    span = rings.radius.max() + 2.0 * sd.max() + 2.0
-    key = (rings.radius + span * np.arange(len(rings.radius))[:, None]).ravel()
-    base = span * group[:, None]
+def _ring_range(rings, group, reach, sample):
+    """Per pair (sample[i], reach[i]): the rings of the sample's group with d(r)²/V_ℓℓ ≤
+    reach², d the distance to the sample's |ω_ℓ| (to [0, |ω_ℓ|] from the origin): first and last
+    + 1 (the radii increase within a group; a layer by node pads them with inf)."""
+    sd = np.sqrt(rings.var[sample]) * reach
+    mu = rings.mu[sample]
+    lo = np.zeros_like(mu) if rings.origin else mu
+    span = rings.radius[np.isfinite(rings.radius)].max() + 2.0 * sd.max() + 2.0
+    key = (np.minimum(rings.radius, span - 0.5) + span * np.arange(len(rings.radius))[:, None]).ravel()
+    base = span * group[sample]
     first = np.searchsorted(key, base + np.clip(lo - sd, -1.0, span - 1.0), side="left")
-    last = np.searchsorted(key, base + np.clip(rings.mu[:, None] + sd, -1.0, span - 1.0), side="right")
-    offset = (group * rings.radius.shape[1])[:, None]
+    last = np.searchsorted(key, base + np.clip(mu + sd, -1.0, span - 1.0), side="right")
+    offset = group[sample] * rings.radius.shape[1]
     return first - offset, last - offset

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1409,9 +1410,40 @@ def test_polar_arcs_leave_out_only_the_prior_beyond_reach(monkeypatch):
     assert kept[0] <= 0.75
     monkeypatch.setattr(polar, "_window", lambda *a: (lambda w: np.ascontiguousarray(
         np.stack([w[..., 0], 0 * w[..., 0], w[..., 0], 0 * w[..., 0], 0 * w[..., 0]], axis=2)))(window(*a)))
-    monkeypatch.setattr(polar, "_arc", lambda rings, group, omega: np.zeros((len(group), rings.radius.shape[1])))
+    monkeypatch.setattr(polar, "_arc", lambda rings, group, col, sample, omega: np.zeros(len(col)))
     full = ch.moments(y, omega, V)
     assert max(ref.metric(cut.g_out[i], cut.dg_out[i], full.g_out[i], full.dg_out[i]) for i in range(len(y))) <= 5e-5
+
+
+@given(seed=seeds)
+@settings(BASE, max_examples=30)
+def test_polar_segments_cut_by_piece(seed):
+    """``polar._by_piece`` (``_quadrature.piece_counts``, ``piece_segments``) against a node-by-node
+    construction: each piece's cut segments cover exactly the nodes of every sample's segments
+    that fall in it, by sample, each segment cut at the piece's edges."""
+    from smi_core import polar
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(1, 60))
+    edges = np.unique(np.concatenate([[0, total], rng.integers(0, total, rng.integers(0, 6))])).astype(np.int64)
+    sample, seg_start, seg_stop = [], [], []
+    for i in range(int(rng.integers(1, 6))):           # each sample's segments: disjoint, ascending
+        cuts = np.sort(rng.choice(total + 1, 2 * int(rng.integers(0, 4)), replace=False))
+        for a, b in cuts.reshape(-1, 2):
+            sample.append(i), seg_start.append(a), seg_stop.append(b)
+    plan = SimpleNamespace(sample=np.array(sample, dtype=np.int64), seg_start=np.array(seg_start, dtype=np.int64),
+                           seg_stop=np.array(seg_stop, dtype=np.int64))
+    who, start, stop, ptr = polar._by_piece(plan, edges)
+    assert ptr[0] == 0 and (np.diff(ptr) >= 0).all() and ptr[-1] == len(who)
+    for p in range(len(edges) - 1):
+        part = slice(ptr[p], ptr[p + 1])
+        assert (np.diff(who[part]) >= 0).all()
+        assert ((start[part] >= edges[p]) & (stop[part] <= edges[p + 1]) & (start[part] <= stop[part])).all()
+        for i in range(5):
+            mine = [(a, b) for a, b in zip(start[part][who[part] == i], stop[part][who[part] == i])]
+            got = sorted(k for a, b in mine for k in range(a, b))
+            want = sorted(k for j, a, b in zip(sample, seg_start, seg_stop) if j == i
+                          for k in range(max(a, edges[p]), min(b, edges[p + 1])))
+            assert got == want
 
 
 @given(seed=seeds)
