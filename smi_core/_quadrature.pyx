@@ -2374,6 +2374,12 @@ cdef inline Py_ssize_t _count_below(const long[::1] x, long v, bint equal) noexc
     return lo
 
 
+cdef inline Py_ssize_t _first_piece(const long[::1] edges, long start) noexcept nogil:
+    """The piece (edges[p]:edges[p + 1]) that holds node ``start``; a segment start:stop spans
+    the pieces _first_piece(start) … _count_below(edges, stop, False) − 1."""
+    return _count_below(edges, start, True) - 1
+
+
 def piece_counts(const long[::1] seg_start, const long[::1] seg_stop, const long[::1] edges, long[::1] ptr):
     """``polar._by_piece``, first pass: each segment seg_start[j]:seg_stop[j] of kept nodes is
     cut at the pieces' ``edges`` (piece p: edges[p]:edges[p + 1]); ptr (edges.shape[0], zeros on
@@ -2383,7 +2389,7 @@ def piece_counts(const long[::1] seg_start, const long[::1] seg_stop, const long
         raise ValueError("piece_counts needs one ptr entry per edge and a stop per start")
     with nogil:
         for j in range(seg_start.shape[0]):
-            for p in range(_count_below(edges, seg_start[j], True) - 1, _count_below(edges, seg_stop[j], False)):
+            for p in range(_first_piece(edges, seg_start[j]), _count_below(edges, seg_stop[j], False)):
                 ptr[p + 1] += 1
         for p in range(P):
             ptr[p + 1] += ptr[p]
@@ -2402,7 +2408,7 @@ def piece_segments(const long[::1] sample, const long[::1] seg_start, const long
         for p in range(P):
             cursor[p] = ptr[p]
         for j in range(seg_start.shape[0]):
-            for p in range(_count_below(edges, seg_start[j], True) - 1, _count_below(edges, seg_stop[j], False)):
+            for p in range(_first_piece(edges, seg_start[j]), _count_below(edges, seg_stop[j], False)):
                 k = cursor[p]
                 cursor[p] += 1
                 who[k], start[k], stop[k] = sample[j], max(seg_start[j], edges[p]), min(seg_stop[j], edges[p + 1])

@@ -201,7 +201,8 @@ class PolarRule:
         layers = self._polar_layers(group, mu, V, scale)
         if len(layers) == 2:
             layers[0] = _by_node(layers[0])
-        reach2 = self._polar_params()["reach"] ** 2
+        reach = self._polar_params()["reach"]
+        reach2 = reach ** 2
         shape = tuple(rl.count.shape[1] for rl in layers)
         size, far = np.ones((G,) + (1,) * len(layers), dtype=np.int64), 0.0
         for l, rl in enumerate(layers):         # block sizes and distances, by broadcasting
@@ -211,7 +212,7 @@ class PolarRule:
         size = np.where(far <= reach2, size, 0).reshape(-1)              # (G · Π shape) blocks
         n = len(group)
         if len(layers) == 2:    # the pairs (sample, node of the first layer) within the sample's ball
-            lo, hi = _ring_range(layers[0], group, np.full(n, self._polar_params()["reach"]), np.arange(n))
+            lo, hi = _ring_range(layers[0], group, np.full(n, reach), np.arange(n))
             sample = np.repeat(np.arange(n), hi - lo)
             col = lo[sample] + _rank(hi - lo)
             rest = reach2 - _far(layers[0], layers[0].radius[group[sample], col], sample)
@@ -220,7 +221,7 @@ class PolarRule:
             sample, col, rest, near = np.arange(n), np.zeros(n, dtype=np.int64), np.full(n, reach2), True
         first, last = _ring_range(layers[-1], group, np.sqrt(np.maximum(rest, 0.0)), sample)
         has = near & (rest >= 0) & (last > first)
-        row = (group[sample] * (shape[0] if len(layers) == 2 else 1) + col) * shape[-1]
+        row = (group[sample] * (shape[0] if len(layers) == 2 else 1) + col) * shape[-1]   # (group, col)'s first block
         seg_b0, seg_b1, sample = (row + first)[has], (row + last)[has], sample[has]  # the segments of blocks
         cover = np.bincount(seg_b0, minlength=size.size + 1) - np.bincount(seg_b1, minlength=size.size + 1)
         size = np.where(np.cumsum(cover[:-1]) > 0, size, 0)     # only the blocks some sample runs over
