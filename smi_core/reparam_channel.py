@@ -234,14 +234,19 @@ class ReparamChannel(PolarRule, Channel):
         t = np.clip((np.sqrt(self._ring_prec(prec) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
         return s_min + t * (self.POLAR3_MIN_SD["sd"] - s_min), blend * (1 - t)
 
-    # three layers where the polar rule took over from the Laplace rule (the threshold lowered, ρ >
-    # POLAR3_MIN_SD["ratio"][0], and conditional sd below (1 + blend) POLAR_MIN_SD), by default
-    # with the estimate: samples whose estimate is above it get one round of the polar rule at
-    # 1.5× the counts.  The estimate is pessimistic there (median 4.5e-4 at errors ≈ 1e-6, q =
-    # 0.975·I), but a draw with y at the softmax edge, 2.1e-4 off, estimated 1.6e-2 (3rd of 256);
-    # with the round 1.5e-5.  Not where the last layer is pinned (the rounds do not converge), nor
-    # at broader q (q = 0.9·I: +30 % time for an error already within 1e-4).
-    POLAR3_ESCALATE = 1e-2
+    # three layers with every layer about as narrow (ρ ≥ POLAR3_MIN_SD["ratio"][0], see
+    # _polar_threshold: broad q·I and the polar rule's narrow range alike), by default with the
+    # estimate: samples whose estimate is above it get one round of the polar rule at 1.5× the
+    # counts.  The estimate is pessimistic (median ≈ 1e-4 at errors ≈ 1e-6), but the default's
+    # errors above 1e-4 came with estimates above it: on 512 state-evolution draws per q (seed
+    # 3, against tol = 1e-6) max error 9.0e-4 → 5.2e-5 at q = 0.9·I (39 samples take the round,
+    # 28 % of the time), 1.1e-4 → 5.6e-5 at 0.95, 1.2e-4 → 2.1e-5 at 0.97, 2.3e-4 → 4.7e-5 at
+    # 0.975 (13–15 samples, 16–20 %); none at q = 0 and 0.3.  Until 2026-12-02 it was 1e-2 and
+    # only where the polar rule took over from the Laplace rule (the threshold lowered and the
+    # conditional sd below 0.25), which left 4 of those 512 draws at 0.9·I above 1e-4 (1.3e-3 on
+    # another draw, estimating 3.4e-2).  Not where the last layer is pinned (ρ small: the rounds
+    # do not converge there).
+    POLAR3_ESCALATE = 3e-3
 
     # two layers, T = 2: the samples whose estimate is above the target (``tol``, else
     # ``escalate``) get the polar rule at 1.5× the counts for up to ``rounds`` rounds, then the
@@ -272,7 +277,8 @@ class ReparamChannel(PolarRule, Channel):
     def _polar_escalation(self, Vinv, error):
         """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
         above it, ``escalation``'s rounds to its ``refine`` × it; three layers without ``tol``:
-        POLAR3_ESCALATE where the polar rule took over from the Laplace rule, one round."""
+        POLAR3_ESCALATE where every layer is about as narrow (ρ ≥ POLAR3_MIN_SD["ratio"][0]),
+        one round."""
         target, rounds = super()._polar_escalation(Vinv, error)
         if self.model.layers == 2:
             if target is not None:
@@ -280,9 +286,8 @@ class ReparamChannel(PolarRule, Channel):
             return target, self.escalation["rounds"]
         if target is None and self.model.layers == 3 and self.error_estimate:
             prec = np.diagonal(Vinv, axis1=1, axis2=2)
-            took_over = (self._polar_threshold(prec)[0] < self.POLAR_MIN_SD) & (
-                1.0 / np.sqrt(self._ring_prec(prec)) < (1 + self._polar_params()["blend"]) * self.POLAR_MIN_SD)
-            return np.where(took_over, self.POLAR3_ESCALATE, np.inf), 1
+            even = np.sqrt(self._ring_prec(prec) / prec[:, -1]) >= self.POLAR3_MIN_SD["ratio"][0]
+            return np.where(even, self.POLAR3_ESCALATE, np.inf), 1
         return target, rounds
 
     def _polar_round_scales(self, scale, rounds):
