@@ -237,8 +237,8 @@ class ReparamChannel(PolarRule, Channel):
     # three layers with every layer about as narrow (ρ ≥ POLAR3_MIN_SD["ratio"][0], see
     # _polar_threshold: broad q·I and the polar rule's narrow range alike), by default with the
     # estimate: samples whose estimate is above it get one round of the polar rule at 1.5× the
-    # counts.  The estimate is pessimistic (median ≈ 1e-4 at errors ≈ 1e-6), but the default's
-    # errors above 1e-4 came with estimates above it: on 512 state-evolution draws per q (seed
+    # counts.  The estimate is pessimistic (at 0.9·I its median is 1e-4 … 3e-4 at errors ≈ 1e-6),
+    # but the default's errors above 1e-4 came with estimates above it: on 512 state-evolution draws per q (seed
     # 3, against tol = 1e-6) max error 9.0e-4 → 5.2e-5 at q = 0.9·I (39 samples take the round,
     # 28 % of the time), 1.1e-4 → 5.6e-5 at 0.95, 1.2e-4 → 2.1e-5 at 0.97, 2.3e-4 → 4.7e-5 at
     # 0.975 (13–15 samples, 16–20 %); none at q = 0 and 0.3.  Until 2026-12-02 it was 1e-2 and
