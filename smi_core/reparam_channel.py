@@ -224,22 +224,27 @@ class ReparamChannel(PolarRule, Channel):
     # and blend stay.
     POLAR3_MIN_SD = dict(sd=0.13, ratio=(0.5, 0.8))
 
+    def _evenness(self, prec):
+        """ρ = √(max_ℓ<L (V⁻¹)_ℓℓ / (V⁻¹)_LL) per sample (prec: each sample's diagonal of V⁻¹):
+        about 1 where every layer is about as narrow, small where the last layer is pinned."""
+        return np.sqrt(self._ring_prec(prec) / prec[:, -1])
+
     def _polar_threshold(self, prec):
         """POLAR_MIN_SD and the blend; three layers: towards POLAR3_MIN_SD["sd"] and a hard switch
-        as ρ = √(max_ℓ<L (V⁻¹)_ℓℓ / (V⁻¹)_LL) grows through POLAR3_MIN_SD["ratio"]."""
+        as ρ (``_evenness``) grows through POLAR3_MIN_SD["ratio"]."""
         s_min, blend = super()._polar_threshold(prec)
         if self.model.layers != 3:
             return s_min, blend
         lo, hi = self.POLAR3_MIN_SD["ratio"]
-        t = np.clip((np.sqrt(self._ring_prec(prec) / prec[:, 2]) - lo) / (hi - lo), 0.0, 1.0)
+        t = np.clip((self._evenness(prec) - lo) / (hi - lo), 0.0, 1.0)
         return s_min + t * (self.POLAR3_MIN_SD["sd"] - s_min), blend * (1 - t)
 
     # three layers with every layer about as narrow (ρ ≥ POLAR3_MIN_SD["ratio"][0], see
     # _polar_threshold: broad q·I and the polar rule's narrow range alike), by default with the
     # estimate: samples whose estimate is above it get one round of the polar rule at 1.5× the
     # counts.  The estimate is pessimistic (at 0.9·I its median is 1e-4 … 3e-4 at errors ≈ 1e-6),
-    # but the default's errors above 1e-4 came with estimates above it: on 512 state-evolution draws per q (seed
-    # 3, against tol = 1e-6) max error 9.0e-4 → 5.2e-5 at q = 0.9·I (39 samples take the round,
+    # but the default's errors above 1e-4 came with estimates above it: on 512 state-evolution
+    # draws per q (seed 3, against tol = 1e-6) max error 9.0e-4 → 5.2e-5 at q = 0.9·I (39 samples take the round,
     # 28 % of the time), 1.1e-4 → 5.6e-5 at 0.95, 1.2e-4 → 2.1e-5 at 0.97, 2.3e-4 → 4.7e-5 at
     # 0.975 (13–15 samples, 16–20 %); none at q = 0 and 0.3.  Until 2026-12-02 it was 1e-2 and
     # only where the polar rule took over from the Laplace rule (the threshold lowered and the
@@ -286,7 +291,7 @@ class ReparamChannel(PolarRule, Channel):
             return target, self.escalation["rounds"]
         if target is None and self.model.layers == 3 and self.error_estimate:
             prec = np.diagonal(Vinv, axis1=1, axis2=2)
-            even = np.sqrt(self._ring_prec(prec) / prec[:, -1]) >= self.POLAR3_MIN_SD["ratio"][0]
+            even = self._evenness(prec) >= self.POLAR3_MIN_SD["ratio"][0]
             return np.where(even, self.POLAR3_ESCALATE, np.inf), 1
         return target, rounds
 
