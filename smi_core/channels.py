@@ -391,7 +391,7 @@ def _settings(option, defaults, changes):
         if key == "escalate" and value is None:
             out[key] = None
             continue
-        if key in ("logit", "cusp", "gauss"):
+        if key in ("logit", "cusp", "gauss", "theta"):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{option}[{key!r}] must be True or False, got {value!r}")
             out[key] = bool(value)

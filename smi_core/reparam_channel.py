@@ -12,7 +12,7 @@ from itertools import product
 
 import numpy as np
 
-from . import _quadrature, cusp_rule, logit_rule, validate
+from . import _quadrature, cusp_rule, logit_rule, theta_rule, validate
 from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
 from .logit_rule import attention_targets
@@ -277,7 +277,7 @@ class ReparamChannel(PolarRule, Channel):
     # ten; the benchmark's pinned draws, 6.7–7.6 against 30.5–35.0 ms per sample; the same max
     # error on 128 draws against tol = 1e-8 (3.3e-6, the draw estimating 1.0e-6); twelve rounds
     # were slower again beside a busy process (36 against 15 ms, round 11's nodes)
-    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True, cusp=True, gauss=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
+    ESCALATION = {2: dict(rounds=10, refine=0.1, angular=1.2, logit=True, cusp=True, gauss=True, theta=True), 3: dict(rounds=6, refine=1.0, angular=1.0)}
 
     def _polar_escalation(self, Vinv, error):
         """``tol`` (two layers: ``escalate`` by default), three rounds; two layers: the samples
@@ -363,6 +363,82 @@ class ReparamChannel(PolarRule, Channel):
         return self._target(self.escalates or self.model.layers == 3)
 
     def _polar(self, y, omega, V, Vinv, logdetV):
+        """The θ rule first where it applies (``_theta``), the polar rules (``_polar_rules``) for
+        the samples it leaves."""
+        theta = self._theta_applies(omega, V)
+        if not theta.any():
+            return self._polar_rules(y, omega, V, Vinv, logdetV)
+        n, RT = len(omega), self.R * self.T
+        out = np.empty(n), np.empty((n, RT)), np.empty((n, RT, RT)), np.empty(n)
+        idx = np.flatnonzero(theta)
+        rest = np.setdiff1d(np.arange(n), idx[self._theta(y[idx], omega[idx], V[idx], Vinv[idx], out, idx)])
+        if rest.size:
+            for a, b in zip(out, self._polar_rules(y[rest], omega[rest], V[rest], Vinv[rest], logdetV[rest])):
+                a[rest] = b
+        return out
+
+    # two layers, T = 2, the first layer not learned (ω_1 = 0, V₁₂ = 0: state evolution at
+    # q₁₁ = 0; ``escalation["theta"]``), with the estimate: the θ rule (smi_core.theta_rule) at
+    # n × n nodes for n in ``levels`` while its estimate is above the rounds' target (``escalate``
+    # or ``tol`` × ``escalation["refine"]``); the samples it leaves above go to the polar rules.
+    # A level only takes samples whose likelihood it resolves, n·w ≥ ``resolve`` (w its sd in θ,
+    # ``_theta_width``): where the grid misses the likelihood's peak, both weight sets miss it
+    # alike and the estimate is no guide (2026-12-03: the ridge draw 119 at q₂₂ = 0.9999, w =
+    # 0.0055, was 1.5e3 off at 81 estimating 4.7e-7).  Without the guard, of 256 draws each at
+    # q = diag(0, 0.99), diag(0, 0.999), diag(0, 0.9999) (seed 0) the estimate accepted two
+    # 8.5e2 off (n = 33, n·w = 0.35 and 0.26, at 0.9999) and every other one within 9e-7.
+    THETA = dict(levels=(33, 57, 81), resolve=1.0)
+
+    def _theta_applies(self, omega, V):
+        """Per sample: two layers, T = 2, the θ rule on and a target, ω_1 = 0 and V₁₂ = 0."""
+        if not (self.model.layers == 2 and self.T == 2 and self.escalation.get("theta")
+                and self._polar_target() is not None):
+            return np.zeros(len(omega), dtype=bool)
+        return (omega[:, 0] == 0).all(axis=1) & (V[:, 0, 1] == 0)
+
+    def _theta(self, y, omega, V, Vinv, out, idx):
+        """The θ rule's levels for the samples (y, ω, V) (``_theta_applies``), each prior v_1 =
+        V₁₁ apart; its results (log Z, E[Z], Cov[Z], estimate) written into ``out`` at idx where
+        the estimate ends below the target.  Returns the mask of those samples."""
+        goal = self._polar_target() * self.escalation["refine"]
+        u = np.ascontiguousarray(self._polar_input(y))
+        ref = np.ascontiguousarray(omega.reshape(len(y), -1))
+        prec = np.stack([Vinv[:, 1, 1], np.zeros(len(y)), Vinv[:, 1, 1]], axis=1)
+        done = np.zeros(len(y), dtype=bool)
+        width = self._theta_width(omega, V)
+        for v1 in np.unique(V[:, 0, 0]):
+            for n in self.THETA["levels"]:
+                i = np.flatnonzero((V[:, 0, 0] == v1) & ~done & (n * width >= self.THETA["resolve"]))
+                if not i.size:
+                    continue
+                sums = np.empty((i.size, 25))
+                _quadrature.theta_product(self._theta_nodes(n), theta_rule.weights(self.model.beta * v1, n),
+                                          u[i], np.ascontiguousarray(omega[i, 1]), prec[i], sums, self.threads)
+                full, cut = (theta_rule.sums(sums, s, omega[i, 1], v1, V[i, 1, 1]) for s in (0, 1))
+                estimate = self._spread([full, cut], omega[i], V[i], Vinv[i], ref[i])
+                take = estimate <= goal
+                for a, b in zip(out, (*_about(ref[i], *full), estimate)):
+                    a[idx[i[take]]] = b[take]
+                done[i[take]] = True
+        return done
+
+    def _theta_width(self, omega, V):
+        """The likelihood's sd in θ (theta_rule): w = √V₂₂ (c + √2)/|ω_21 − ω_22|, ‖Φ‖ ≤ c + √2."""
+        with np.errstate(divide="ignore"):
+            return np.sqrt(V[:, 1, 1]) * (self.model.skip + np.sqrt(2)) / np.abs(omega[:, 1, 0] - omega[:, 1, 1])
+
+    def _theta_nodes(self, n):
+        """The θ rule's node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] at its n × n grid (the
+        generated inverse kernel at a pre-image h_1 of each θ node), once per n."""
+        cache = self.__dict__.setdefault("_theta_cache", {})
+        if n not in cache:
+            cols = np.zeros((8, n * n))
+            cols[:2] = theta_rule.grid(n, self.model.beta)
+            self._polar_fill(cols, 2)
+            cache[n] = np.ascontiguousarray(cols[3:])
+        return cache[n]
+
+    def _polar_rules(self, y, omega, V, Vinv, logdetV):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
         ``nodes`` scales every count (by nodes / DEFAULT_NODES[d] · POLAR_SCALE[L], d = 2(L - 1)).
         L = 2 (with the estimate): tol defaults to ``escalate``, and samples still above the

@@ -1,0 +1,188 @@
+"""Two layers, T = 2, the first layer not learned — ω_1 = 0, V₁₁ = v_1, V₁₂ = 0 (state evolution
+at q₁₁ = 0, the plateau before layer 1 is learned): one product rule in layer 1's attention
+weights θ = (p, r) shared by every sample.
+
+The likelihood depends on h_1 only through θ = σ(βa), a = (h_11(h_11 − h_12), h_12(h_12 − h_11))
+(spec §2), and per sign of u_2 it is N(±u_2; Φω_2, V₂₂ΦΦᵀ) with Φ = cI + A(θ): Φω_2 is affine in
+θ, so the likelihood is a smooth function of θ, close to a Gaussian of sd ≈ √V₂₂‖Φ‖/|ω_21 − ω_22|.
+With ω_1 = 0 the prior's pushforward ρ(θ) (the law of θ under h_1 ~ N(0, v_1 I)) is the same for
+every sample, and singular: ∝ 1/|a| at θ = (½, ½) (the image of the whole fold h_11 = h_12),
+a 1/√(a_1 + a_2) layer along the wedge's edge p + r = 1, power laws at θ_t → 0, 1.  A product
+rule for ρ absorbs all of that into its weights (product integration):
+
+    ∫ρ(θ) f(θ) dθ ≈ Σ_i w_i f(θ_i),    w_i = ∫ρ ℓ_i,
+
+exact for f a polynomial in (p, v) of degree < n per axis, v = (p + r − 1)/p ∈ [0, 1] (the
+wedge p + r ≥ 1 as a square: a polynomial in θ of total degree < n is one in (p, v) of degree
+< n per axis); θ_i the n × n Chebyshev points (first kind) in (p, v), ℓ_i their Lagrange
+polynomials.  Layer 1's posterior moments come the same way: E[h_1 | θ] = 0 (h_1 and −h_1 have
+the same θ) and E[h_1 h_1ᵀ | θ] = h hᵀ with h = (a_1, −a_2)/√(a_1 + a_2), a singular function of θ
+that goes into weights of its own, w_i^(ab) = ∫ρ x_a x_b ℓ_i.  All the weights follow from the
+Chebyshev moments μ_jk = E[T_j(2p − 1) T_k(2v − 1) (1, x_1², x_1x_2, x_2²)] (``moments``, once per
+βv_1: x ~ N(0, I), h_1 = √v_1 x), computed in (d, m) = (x_1 − x_2, (x_1 + x_2)/2), where the
+prior is Gaussian and a = (d²/2 + md, d²/2 − md) smooth: Gauss–Legendre in d on panels graded ×2
+towards 0 and per d node in m on panels cut at the softmax's cliffs m = ∓d/2 (graded ×2 in units
+of 1/(βd)) and at the prior's walls.
+
+Error estimate: the same nodes with the truncated weights, exact only below degree n − DROP per
+axis (the interpolant's top coefficients dropped); the difference measures the top of the
+likelihood's Chebyshev series, which falls off like a Gaussian's once n·sd is large.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from .quadrature import gauss_legendre
+
+DROP = 2                        # the truncated rule: degree < n − DROP per axis
+DEGREE = 81                     # moments up to this degree (the finest level's n)
+REACH = 40.0                    # the prior (∝ e^(−d²/4 − m²)) where it is above e^−REACH
+CLIFFS = 0.125 * 2.0 ** (np.arange(37) / 4)   # m panels from the cliffs, in units of 1/(βd)
+STEP = 0.125                    # d panels beyond the graded ones
+NODES = 16                      # Gauss–Legendre nodes per panel of the moments' rule
+
+
+def _panels(ends, n):
+    """Gauss–Legendre with n nodes on every panel between consecutive ends: (nodes, weights)."""
+    t, w = gauss_legendre(n)
+    half, mid = np.diff(ends)[:, None] / 2, (ends[1:] + ends[:-1])[:, None] / 2
+    return (mid + half * t).ravel(), (half * w).ravel()
+
+
+def _chebyshev(x, n):
+    """T_0 … T_{n−1} at x, by rows (n, len(x))."""
+    T = np.empty((n, len(x)))
+    T[0] = 1.0
+    if n > 1:
+        T[1] = x
+    for k in range(2, n):
+        np.multiply(2 * x, T[k - 1], out=T[k])
+        T[k] -= T[k - 2]
+    return T
+
+
+def _attention(d, m, b):
+    """p = σ(a_1) and v = (p + r − 1)/p at (d, m), for a = b·(d²/2 + md, d²/2 − md).  With
+    σ(x) − σ(−y) = sinh((x + y)/2)/(2 cosh(x/2) cosh(y/2)) and a_1 + a_2 = b d²,
+    v = sinh(b d²/2) e^(−a_1/2)/cosh(a_2/2): no cancellation where p is small."""
+    a1, a2 = b * d * (m + d / 2), b * d * (d / 2 - m)
+    return 0.5 * (1 + np.tanh(a1 / 2)), np.sinh(b * d * d / 2) * np.exp(-a1 / 2) / np.cosh(a2 / 2)
+
+
+def cache_path(b: float) -> Path:
+    """Where ``moments(b)`` is kept between runs: $SMI_CACHE (default ~/.cache/smi, as the
+    kernels compiled on demand) /theta, the file named by a digest of b and the moments' rule."""
+    rule = repr((DEGREE, REACH, CLIFFS.tolist(), STEP, NODES, float(b))).encode()
+    root = Path(os.environ.get("SMI_CACHE") or Path.home() / ".cache" / "smi")
+    return root / "theta" / f"moments-{hashlib.sha256(rule).hexdigest()[:16]}.npy"
+
+
+@lru_cache(maxsize=8)
+def moments(b: float) -> np.ndarray:
+    """μ (4, DEGREE, DEGREE): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1², x_1x_2, x_2², for
+    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 10 s per b; read from ``cache_path(b)`` where
+    an earlier run left it (written there atomically when the folder can be made)."""
+    path = cache_path(b)
+    try:
+        mu = np.load(path)
+        if mu.shape == (4, DEGREE, DEGREE):
+            return mu
+    except (OSError, ValueError):
+        pass
+    print(f"smi: the θ rule's weights for βV₁₁ = {b:g} (once: cached in {path.parent})", file=sys.stderr)
+    mu = _moments(b)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, mu)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return mu
+
+
+def _moments(b):
+    """``moments`` computed."""
+    dmax = np.sqrt(4 * REACH)
+    ends = np.concatenate([[0.0], 1e-4 * 2.0 ** np.arange(14), np.arange(STEP, dmax, STEP), [dmax]])
+    D, WD = _panels(np.unique(ends[ends <= dmax]), NODES)
+    cliffs = np.concatenate([-CLIFFS[::-1], [0.0], CLIFFS])
+    walls = np.sqrt(0.5) * np.arange(-9, 10)
+    mu = np.zeros((4, DEGREE, DEGREE))
+    for d, wd in zip(D, WD):
+        mmax = np.sqrt(REACH - d * d / 4)
+        cuts = np.concatenate([-d / 2 + cliffs / (b * d), d / 2 + cliffs / (b * d), walls])
+        M, WM = _panels(np.unique(np.concatenate([[-mmax, mmax], cuts[np.abs(cuts) < mmax]])), NODES)
+        prior = 2 * wd * WM * np.exp(-d * d / 4 - M * M) / (2 * np.pi)      # N(d; 0, 2) N(m; 0, ½), and d < 0
+        p, v = _attention(d, M, b)
+        Tp, Tv = _chebyshev(2 * p - 1, DEGREE), _chebyshev(2 * v - 1, DEGREE)
+        x1, x2 = M + d / 2, M - d / 2
+        f = prior * np.stack([np.ones_like(M), x1 * x1, x1 * x2, x2 * x2])          # (4, m nodes)
+        mu += (f[:, None, :] * Tp) @ Tv.T
+    return mu
+
+
+def points(n):
+    """The Chebyshev points of the first kind on (0, 1), ascending, and C (n × n): the
+    interpolant's Chebyshev coefficients (in 2x − 1) from its values there."""
+    t = np.pi * (np.arange(n)[::-1] + 0.5) / n
+    C = 2.0 / n * np.cos(np.outer(np.arange(n), t))
+    C[0] /= 2
+    return (1 + np.cos(t)) / 2, C
+
+
+@lru_cache(maxsize=32)
+def weights(b: float, n: int) -> np.ndarray:
+    """(8, n²) weights on the n × n grid (node i·n + j at (p_i, v_j)): [w, w_11, w_12, w_22] of the
+    full rule, then of the truncated one (degree < n − DROP per axis)."""
+    if n > DEGREE:
+        raise ValueError(f"n must be at most DEGREE = {DEGREE}, got {n}")
+    C = points(n)[1]
+    mu = moments(b)[:, :n, :n]
+    keep = (np.arange(n) < n - DROP).astype(float)
+    full = np.einsum("kjl,ja,lb->kab", mu, C, C)
+    cut = np.einsum("kjl,ja,lb->kab", mu * np.outer(keep, keep), C, C)
+    return np.ascontiguousarray(np.concatenate([full, cut]).reshape(8, n * n))
+
+
+def grid(n, beta):
+    """h_1 (2, n²) at the grid's nodes: a pre-image of θ = (p, r), r = 1 − p + p v, by the
+    one-layer pre-image h = (a_1, −a_2)/√(a_1 + a_2), a = logit(θ)/β (spec §4), with
+    1 − r = p(1 − v) and a_1 + a_2 = log(1 + v/((1 − p)(1 − v)))/β (no cancellation)."""
+    x = points(n)[0]
+    p, v = np.repeat(x, n), np.tile(x, n)
+    a1 = np.log(p / (1 - p)) / beta
+    a2 = np.log((1 - p + p * v) / (p * (1 - v))) / beta
+    s = np.sqrt(np.log1p(v / ((1 - p) * (1 - v))) / beta)
+    return np.stack([a1 / s, -a2 / s])
+
+
+def sums(out, s, omega2, v1, v2):
+    """(log Z, E[Z − ω], E[(Z − ω)(Z − ω)ᵀ]) of weight set s (0: full, 1: truncated) from
+    ``_quadrature.theta_product``'s rows ``out`` (ω_1 = 0; Z = [h_1; h_2], index a*T + t):
+    the larger sign's deviation y = ±h_2 − ω_2 weighs e, the other's −y − 2ω_2 e·q, so
+    E[h_2 − ω_2] = (Σ e y − Σ e q y − 2ω_2 Σ e q)/Z and the second moment adds
+    2(Σ e q y)ω_2ᵀ + 2ω_2(Σ e q y)ᵀ + 4ω_2ω_2ᵀ Σ e q to Σ e(1 + q) y yᵀ; E[h_1 h_1ᵀ] = v_1 Σ w_ab e(1 + q)/Z;
+    log Z adds the running maximum and N(·; ω_2, v_2 I)'s −log(2π v_2)."""
+    n = len(out)
+    z, zq, m0, m1, q0, q1, s00, s01, s11, a, b, c = out[:, 1 + 12 * s:13 + 12 * s].T
+    q = np.stack([q0, q1], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean2 = (np.stack([m0, m1], axis=1) - q - 2 * omega2 * zq[:, None]) / z[:, None]
+        S = np.stack([np.stack([s00, s01], axis=1), np.stack([s01, s11], axis=1)], axis=1)
+        S += 2 * (q[:, :, None] * omega2[:, None, :] + omega2[:, :, None] * q[:, None, :])
+        S += 4 * zq[:, None, None] * omega2[:, :, None] * omega2[:, None, :]
+        H = v1 * np.stack([np.stack([a, b], axis=1), np.stack([b, c], axis=1)], axis=1)
+        mean, second = np.zeros((n, 4)), np.zeros((n, 4, 4))
+        mean[:, 2:] = mean2
+        second[:, :2, :2] = H / z[:, None, None]
+        second[:, 2:, 2:] = S / z[:, None, None]
+        log_z = np.log(z) + out[:, 0] - np.log(2 * np.pi * v2)
+    return log_z, mean, second

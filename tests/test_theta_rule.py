@@ -1,0 +1,122 @@
+"""The θ rule (smi_core.theta_rule): two layers, T = 2, the first layer not learned (ω_1 = 0,
+V₁₂ = 0) — its weights against independent integrals of the prior, the channel's results against
+the nested reference (tests/nested_reference.py), and where it applies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import nested_reference as nested
+from channel_reference import metric
+from smi_core import DeepAttention, theta_rule
+from smi_core.reparam_channel import ReparamChannel
+
+RTOL = 1e-6
+
+
+def _prior_expectation(f, b, n=6000):
+    """E[f(p, r, x)] for x ~ N(0, I), θ = σ(b·a(x)), by a plain Gauss–Legendre product in
+    (d, m) = (x_1 − x_2, (x_1 + x_2)/2) on [−13, 13] × [−7, 7], n nodes per axis in panels of 50
+    (independent of the θ rule's graded panels and its (p, v) map)."""
+    t, w = np.polynomial.legendre.leggauss(50)
+
+    def axis(half):
+        ends = np.linspace(-half, half, n // 50 + 1)
+        return ((ends[:-1, None] + ends[1:, None]) / 2 + np.diff(ends)[:, None] / 2 * t).ravel(), \
+            (np.diff(ends)[:, None] / 2 * w).ravel()
+
+    (D, WD), (M, WM) = axis(13.0), axis(7.0)
+    total = 0.0
+    for d, wd in zip(D, WD):
+        x1, x2 = M + d / 2, M - d / 2
+        p = 1 / (1 + np.exp(-b * x1 * (x1 - x2)))
+        r = 1 / (1 + np.exp(-b * x2 * (x2 - x1)))
+        total += wd * np.sum(WM * np.exp(-d * d / 4 - M * M) / (2 * np.pi) * f(p, r, x1, x2))
+    return total
+
+
+@pytest.mark.parametrize("b", [1.0, 2.0])
+def test_theta_weights_integrate_the_prior(b):
+    """Both weight sets at every level integrate 1, x_1², x_1x_2 and x_2² exactly (1, 1, 0, 1),
+    and a Gaussian bump in θ (sd 0.15, times x_1 x_2 for the moment weights) as the plain
+    product rule in (d, m) does."""
+    def bump(p, r):
+        return np.exp(-((p - 0.7) ** 2 + (r - 0.6) ** 2) / (2 * 0.15 ** 2))
+
+    want = [_prior_expectation(lambda p, r, x1, x2: bump(p, r), b),
+            _prior_expectation(lambda p, r, x1, x2: bump(p, r) * x1 * x2, b)]
+    for n in ReparamChannel.THETA["levels"]:
+        W = theta_rule.weights(b, n)
+        assert np.allclose(W.sum(axis=1), [1, 1, 0, 1] * 2, rtol=0, atol=1e-13), (n, W.sum(axis=1))
+        x = theta_rule.points(n)[0]
+        p, v = x[:, None], x[None, :]               # node i·n + j at (p_i, v_j), r = 1 − p + p v
+        f = bump(p, 1 - p + p * v).ravel()
+        assert abs(W[0] @ f - want[0]) < 1e-9 * want[0], (n, W[0] @ f, want[0])
+        assert abs(W[2] @ f - want[1]) < 1e-9 * abs(want[1]), (n, W[2] @ f, want[1])
+
+
+def test_theta_moments_cached_on_disk(tmp_path, monkeypatch):
+    """``moments`` writes its table under $SMI_CACHE/theta and reads it back (a small rule: DEGREE
+    9); another rule is another file."""
+    monkeypatch.setenv("SMI_CACHE", str(tmp_path))
+    monkeypatch.setattr(theta_rule, "DEGREE", 9)
+    theta_rule.moments.cache_clear()
+    try:
+        first = theta_rule.moments(1.5)
+        path = theta_rule.cache_path(1.5)
+        assert path.parent == tmp_path / "theta" and path.exists()
+        theta_rule.moments.cache_clear()
+        np.save(path, 2 * first)                # read back, not computed again
+        assert np.array_equal(theta_rule.moments(1.5), 2 * first)
+        monkeypatch.setattr(theta_rule, "DEGREE", 8)
+        assert theta_rule.cache_path(1.5) != path
+    finally:
+        theta_rule.moments.cache_clear()
+
+
+def _draws(m, q, n, seed):
+    rng = np.random.default_rng(seed)
+    q = np.array(q)[:, None]
+    omega = np.sqrt(q) * rng.standard_normal((n, 2, 2))
+    y = m.forward(omega + np.sqrt(1 - q) * rng.standard_normal((n, 2, 2)))
+    keep = (y > 0).all(axis=(1, 2))
+    return y[keep], omega[keep], np.diag(1 - q[:, 0])
+
+
+@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
+@pytest.mark.parametrize("q22", [0.99, 0.999])
+def test_reparam_l2_theta_rule_against_the_nested_rule(skip, beta, q22, monkeypatch):
+    """State-evolution draws at q = diag(0, q₂₂) (seed 11): the θ rule takes them by default (its
+    estimate ends below the target), within RTOL of the nested reference, and is what the
+    channel returns."""
+    m = DeepAttention(2, 2, skip=skip, beta=beta)
+    y, omega, V = _draws(m, [0.0, q22], 8, 11)
+    taken, theta = [], ReparamChannel._theta
+
+    def spy(self, y, omega, V, Vinv, out, idx):
+        done = theta(self, y, omega, V, Vinv, out, idx)
+        taken.extend(idx[done])
+        return done
+
+    monkeypatch.setattr(ReparamChannel, "_theta", spy)
+    mo = m.channel().moments(y, omega, V)
+    assert len(taken) >= len(y) // 2, (len(taken), len(y))
+    for i in taken:
+        r = nested.reparam_l2_nested(y[i], omega[i], V, skip, beta)
+        assert r.error <= RTOL / 4, (i, r.error)
+        assert metric(mo.g_out[i], mo.dg_out[i], r.g_out, r.dg_out) <= RTOL, i
+
+
+def test_reparam_l2_theta_rule_where_it_applies():
+    """Only ω_1 = 0 and V₁₂ = 0, with a target: ω_1 ≠ 0 (q₁₁ = 0.3) gives the same moments with the
+    rule on or off, and so does the channel without the estimate."""
+    m = DeepAttention(2, 2)
+    y, omega, V = _draws(m, [0.3, 0.99], 16, 12)
+    on, off = (m.channel(escalation={"theta": t}).moments(y, omega, V) for t in (True, False))
+    assert np.array_equal(on.g_out, off.g_out) and np.array_equal(on.dg_out, off.dg_out)
+    y, omega, V = _draws(m, [0.0, 0.99], 16, 12)
+    ch = m.channel(error_estimate=False)
+    assert not ch._theta_applies(omega, np.broadcast_to(V, (len(y), 2, 2))).any()
+    assert m.channel()._theta_applies(omega, np.broadcast_to(V, (len(y), 2, 2))).all()
+    with pytest.raises(ValueError, match="theta"):
+        m.channel(escalation={"theta": 1})
