@@ -51,8 +51,7 @@ from smi_core.noisy_channel import NoisyChannel  # noqa: E402
 
 CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 1, 2, None, lambda y, o, V: ref.reparam_l1(y, o, V, 1.0), [{}]),
-    ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"escalation": {"logit": False}}, {"escalation": {"cusp": False}},
-                                             {"error_estimate": False},
+    ("reparam", 2, 2, None, ref.reparam_l2, [{}, {"escalation": {"theta": False}}, {"error_estimate": False},
                                              {"tol": 1e-6}]),
     ("reparam", 2, 3, None, ref.reparam_l2_t3,
      [{}, {"escalation": {"rounds": 3}}, {"error_estimate": False}, {"tol": 1e-6}]),

@@ -386,8 +386,10 @@ class ReparamChannel(PolarRule, Channel):
     # alike and the estimate is no guide (2026-12-03: the ridge draw 119 at q₂₂ = 0.9999, w =
     # 0.0055, was 1.5e3 off at 81 estimating 4.7e-7).  Without the guard, of 256 draws each at
     # q = diag(0, 0.99), diag(0, 0.999), diag(0, 0.9999) (seed 0) the estimate accepted two
-    # 8.5e2 off (n = 33, n·w = 0.35 and 0.26, at 0.9999) and every other one within 9e-7.
-    THETA = dict(levels=(33, 57, 81), resolve=1.0)
+    # 8.5e2 off (n = 33, n·w = 0.35 and 0.26, at 0.9999) and every other one within 9e-7.  The
+    # levels before the last take only n·w ≥ ``start`` (it took none below 2.9 at 33 and 2.0 at
+    # 57): 1 903 / 6 154 / 7 030 → 1 835 / 4 891 / 5 227 nodes per sample at the three q.
+    THETA = dict(levels=(33, 57, 81), resolve=1.0, start=3.0)
 
     def _theta_applies(self, omega, V):
         """Per sample: two layers, T = 2, the θ rule on and a target, ω_1 = 0 and V₁₂ = 0."""
@@ -406,9 +408,11 @@ class ReparamChannel(PolarRule, Channel):
         prec = np.stack([Vinv[:, 1, 1], np.zeros(len(y)), Vinv[:, 1, 1]], axis=1)
         done = np.zeros(len(y), dtype=bool)
         width = self._theta_width(omega, V)
+        levels = self.THETA["levels"]
         for v1 in np.unique(V[:, 0, 0]):
-            for n in self.THETA["levels"]:
-                i = np.flatnonzero((V[:, 0, 0] == v1) & ~done & (n * width >= self.THETA["resolve"]))
+            for n in levels:
+                least = self.THETA["resolve" if n == levels[-1] else "start"]
+                i = np.flatnonzero((V[:, 0, 0] == v1) & ~done & (n * width >= least))
                 if not i.size:
                     continue
                 sums = np.empty((i.size, 25))

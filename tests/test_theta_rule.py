@@ -84,7 +84,7 @@ def _draws(m, q, n, seed):
 
 
 @pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.5, 2.0)])
-@pytest.mark.parametrize("q22", [0.99, 0.999])
+@pytest.mark.parametrize("q22", [0.5, 0.99, 0.999])
 def test_reparam_l2_theta_rule_against_the_nested_rule(skip, beta, q22, monkeypatch):
     """State-evolution draws at q = diag(0, q₂₂) (seed 11): the θ rule takes them by default (its
     estimate ends below the target), within RTOL of the nested reference, and is what the
@@ -105,6 +105,20 @@ def test_reparam_l2_theta_rule_against_the_nested_rule(skip, beta, q22, monkeypa
         r = nested.reparam_l2_nested(y[i], omega[i], V, skip, beta)
         assert r.error <= RTOL / 4, (i, r.error)
         assert metric(mo.g_out[i], mo.dg_out[i], r.g_out, r.dg_out) <= RTOL, i
+
+
+def test_reparam_l2_theta_rule_leaves_what_it_does_not_resolve():
+    """The ridge draw 119 of test_channels (V = diag(1, 1e-4), the likelihood's sd in θ w = 0.0055,
+    81·w < ``resolve``): the θ rule leaves it to the polar rules.  Without that guard it took it
+    at 1.5e3 off, its estimate (4.7e-7) below the target: the grid missed the peak."""
+    y = np.array([[1.0 - 2.15895513e-13, 2.15895513e-13], [9.93471053e-01, 1.0 - 9.93471053e-01]])
+    omega = np.array([[[0.0, 0.0], [-3.89922675, 0.46330717]]])
+    V = np.diag([1.0, 1e-4])[None]
+    ch = DeepAttention(2, 2).channel()
+    assert ch._theta_applies(omega, V).all()
+    assert 81 * ch._theta_width(omega, V)[0] < ch.THETA["resolve"]
+    out = np.empty(1), np.empty((1, 4)), np.empty((1, 4, 4)), np.empty(1)
+    assert not ch._theta(y[None], omega, V, np.linalg.inv(V), out, np.arange(1)).any()
 
 
 def test_reparam_l2_theta_rule_where_it_applies():
