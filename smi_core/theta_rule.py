@@ -86,7 +86,7 @@ def cache_path(b: float) -> Path:
 @lru_cache(maxsize=8)
 def moments(b: float) -> np.ndarray:
     """μ (4, DEGREE, DEGREE): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1², x_1x_2, x_2², for
-    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 10 s per b; read from ``cache_path(b)`` where
+    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 7 s per b; read from ``cache_path(b)`` where
     an earlier run left it (written there atomically when the folder can be made)."""
     path = cache_path(b)
     try:
