@@ -152,6 +152,7 @@ class ReparamChannel(PolarRule, Channel):
         self.escalate = default if escalate is None else validate.positive("escalate", escalate)
         self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
         self._u_model = _shallow(model, self.threads, 1)
+        self._theta_grids = {}          # the θ rule's node rows per n (``_theta_nodes``)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node", self.threads)
             self._jac_kernel = model.kernel("node_jacobian", self.threads)
@@ -438,13 +439,12 @@ class ReparamChannel(PolarRule, Channel):
     def _theta_nodes(self, n):
         """The θ rule's node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] at its n × n grid (the
         generated inverse kernel at a pre-image h_1 of each θ node), once per n."""
-        cache = self.__dict__.setdefault("_theta_cache", {})
-        if n not in cache:
+        if n not in self._theta_grids:
             cols = np.zeros((8, n * n))
             cols[:2] = theta_rule.grid(n, self.model.beta)
             self._polar_fill(cols, 2)
-            cache[n] = np.ascontiguousarray(cols[3:])
-        return cache[n]
+            self._theta_grids[n] = np.ascontiguousarray(cols[3:])
+        return self._theta_grids[n]
 
     def _polar_rules(self, y, omega, V, Vinv, logdetV):
         """Each earlier layer h_ℓ in polar coordinates about the origin (``PolarRule._polar``);
