@@ -108,23 +108,29 @@ def moments(b: float) -> np.ndarray:
     return mu
 
 
-def _moments(b):
-    """``moments`` computed."""
-    dmax = np.sqrt(4 * REACH)
-    ends = np.concatenate([[0.0], 1e-4 * 2.0 ** np.arange(14), np.arange(STEP, dmax, STEP), [dmax]])
-    D, WD = _panels(np.unique(ends[ends <= dmax]), NODES)
+def _moments(b, S=None, degree=DEGREE, nodes=NODES):
+    """``moments`` computed, for x ~ N(0, S) (default I): in (d, m), d ~ N(0, s_d²) and m | d ~
+    N(κd, τ²), panels from 0 in d graded ×2 then STEP in units of s_d/√2, and per d node in m cut
+    at the softmax's cliffs and at every sd τ of m | d (the walls), where the prior is above
+    e^−REACH."""
+    S = np.eye(2) if S is None else np.asarray(S, dtype=float)
+    vd, vm, cdm = S[0, 0] + S[1, 1] - 2 * S[0, 1], (S[0, 0] + S[1, 1] + 2 * S[0, 1]) / 4, (S[0, 0] - S[1, 1]) / 2
+    kappa, tau, unit = cdm / vd, np.sqrt(vm - cdm * cdm / vd), np.sqrt(vd / 2)
+    dmax = unit * np.sqrt(4 * REACH)
+    ends = unit * np.concatenate([[0.0], 1e-4 * 2.0 ** np.arange(14), np.arange(STEP, dmax / unit, STEP)])
+    D, WD = _panels(np.unique(np.append(ends[ends <= dmax], dmax)), nodes)
     cliffs = np.concatenate([-CLIFFS[::-1], [0.0], CLIFFS])
-    walls = np.sqrt(0.5) * np.arange(-9, 10)
-    mu = np.zeros((4, DEGREE, DEGREE))
+    mu = np.zeros((4, degree, degree))
     for d, wd in zip(D, WD):
-        mmax = np.sqrt(REACH - d * d / 4)
-        cuts = np.concatenate([-d / 2 + cliffs / (b * d), d / 2 + cliffs / (b * d), walls])
-        M, WM = _panels(np.unique(np.concatenate([[-mmax, mmax], cuts[np.abs(cuts) < mmax]])), NODES)
-        prior = 2 * wd * WM * np.exp(-d * d / 4 - M * M) / (2 * np.pi)      # N(d; 0, 2) N(m; 0, ½), and d < 0
+        centre, half = kappa * d, tau * np.sqrt(max(2 * REACH - d * d / vd, 0.0))
+        cuts = np.concatenate([-d / 2 + cliffs / (b * d), d / 2 + cliffs / (b * d), centre + tau * np.arange(-9, 10)])
+        ends_m = np.concatenate([[centre - half, centre + half], cuts[np.abs(cuts - centre) < half]])
+        M, WM = _panels(np.unique(ends_m), nodes)
+        prior = 2 * wd * WM * np.exp(-d * d / (2 * vd) - (M - centre) ** 2 / (2 * tau * tau)) / (2 * np.pi * np.sqrt(vd) * tau)
         p, v = _attention(d, M, b)
-        Tp, Tv = _chebyshev(2 * p - 1, DEGREE), _chebyshev(2 * v - 1, DEGREE)
+        Tp, Tv = _chebyshev(2 * p - 1, degree), _chebyshev(2 * v - 1, degree)
         x1, x2 = M + d / 2, M - d / 2
-        f = prior * np.stack([np.ones_like(M), x1 * x1, x1 * x2, x2 * x2])          # (4, m nodes)
+        f = prior * np.stack([np.ones_like(M), x1 * x1, x1 * x2, x2 * x2])          # (4, m nodes); d < 0 by x → −x
         mu += (f[:, None, :] * Tp) @ Tv.T
     return mu
 
