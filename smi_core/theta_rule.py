@@ -96,7 +96,7 @@ def moments(b: float) -> np.ndarray:
     except (OSError, ValueError):
         pass
     print(f"smi: the θ rule's weights for βV₁₁ = {b:g} (once: cached in {path.parent})", file=sys.stderr)
-    mu = _moments(b)
+    mu = _moments(b, degree=DEGREE)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
