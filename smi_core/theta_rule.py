@@ -96,7 +96,7 @@ def moments(b: float) -> np.ndarray:
     except (OSError, ValueError):
         pass
     print(f"smi: the θ rule's weights for βV₁₁ = {b:g} (once: cached in {path.parent})", file=sys.stderr)
-    mu = _moments(b, degree=DEGREE)
+    mu = _moments(b)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -108,12 +108,13 @@ def moments(b: float) -> np.ndarray:
     return mu
 
 
-def _moments(b, S=None, degree=DEGREE, nodes=NODES):
+def _moments(b, S=None, degree=None, nodes=NODES):
     """``moments`` computed, for x ~ N(0, S) (default I): in (d, m), d ~ N(0, s_d²) and m | d ~
     N(κd, τ²), panels from 0 in d graded ×2 then STEP in units of s_d/√2, and per d node in m cut
     at the softmax's cliffs and at every sd τ of m | d (the walls), where the prior is above
-    e^−REACH."""
+    e^−REACH.  Degree: DEGREE unless given."""
     S = np.eye(2) if S is None else np.asarray(S, dtype=float)
+    degree = DEGREE if degree is None else degree
     vd, vm, cdm = S[0, 0] + S[1, 1] - 2 * S[0, 1], (S[0, 0] + S[1, 1] + 2 * S[0, 1]) / 4, (S[0, 0] - S[1, 1]) / 2
     kappa, tau, unit = cdm / vd, np.sqrt(vm - cdm * cdm / vd), np.sqrt(vd / 2)
     dmax = unit * np.sqrt(4 * REACH)
@@ -150,8 +151,13 @@ def weights(b: float, n: int) -> np.ndarray:
     full rule, then of the truncated one (degree < n − DROP per axis)."""
     if n > DEGREE:
         raise ValueError(f"n must be at most DEGREE = {DEGREE}, got {n}")
+    return weights_of(moments(b), n)
+
+
+def weights_of(mu, n):
+    """``weights`` from Chebyshev moments mu (4, ≥ n, ≥ n) of any prior's pushforward."""
     C = points(n)[1]
-    mu = moments(b)[:, :n, :n]
+    mu = mu[:, :n, :n]
     keep = (np.arange(n) < n - DROP).astype(float)
     full = np.einsum("kjl,ja,lb->kab", mu, C, C)
     cut = np.einsum("kjl,ja,lb->kab", mu * np.outer(keep, keep), C, C)

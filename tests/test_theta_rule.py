@@ -66,8 +66,7 @@ def test_theta_moments_of_a_correlated_prior():
     mu = theta_rule._moments(1.0, S, 21, 8)
     assert np.allclose(mu[:, 0, 0], [1, S[0, 0], S[0, 1], S[1, 1]], rtol=1e-12, atol=1e-12), mu[:, 0, 0]
     n = 21
-    C = theta_rule.points(n)[1]
-    W = np.einsum("kjl,ja,lb->kab", mu, C, C).reshape(4, n * n)
+    W = theta_rule.weights_of(mu, n)
     x = theta_rule.points(n)[0]
     p, v = x[:, None], x[None, :]
     bump = np.exp(-((p - 0.7) ** 2 + (1 - p + p * v - 0.6) ** 2) / (2 * 0.25 ** 2)).ravel()

@@ -55,14 +55,6 @@ def _interpolate(tab, k, n):
     return np.einsum("ji,li,jl...->i...", Tp, Tv, coef)
 
 
-def _weights(mu, n):
-    """(8, n²): the full and truncated weights [w, w_11, w_12, w_22] from moments mu (4, D, D)."""
-    C = theta_rule.points(n)[1]
-    keep = (np.arange(n) < n - theta_rule.DROP).astype(float)
-    mu = mu[:, :n, :n]
-    return np.concatenate([np.einsum("kjl,ja,lb->kab", m, C, C) for m in (mu, mu * np.outer(keep, keep))]).reshape(8, n * n)
-
-
 def moments(u, omega, V, c, beta, n1, n2, k=9):
     """For each weight set (full, truncated): (log Z + const, E[Z] (n, 6), Cov[Z] (n, 6, 6)),
     index a·T + t; u (n, 2) the last layer's u_3 for one sign, omega (n, 3, 2), V (3, 3) diagonal."""
@@ -73,7 +65,7 @@ def moments(u, omega, V, c, beta, n1, n2, k=9):
     sums = [dict(M=np.full(ns, -np.inf), Z=np.zeros(ns), H3=np.zeros((ns, 2)), H33=np.zeros((ns, 2, 2)),
                  H11=np.zeros((ns, 3)), H22=np.zeros((ns, 2, 2))) for _ in range(2)]
     for i, P1 in enumerate(_phi(c, *_theta(n1))):
-        W2 = _weights(mus[i], n2)
+        W2 = theta_rule.weights_of(mus[i], n2)
         P2 = A2 @ P1
         inv, logdet, P1inv = np.linalg.inv(P2), np.log(np.abs(np.linalg.det(P2))), np.linalg.inv(P1)
         for sign in (1.0, -1.0):
