@@ -2418,15 +2418,15 @@ def piece_segments(const long[::1] sample, const long[::1] seg_start, const long
 cdef extern from *:
     """
     /* The θ rule's sums for one sample (theta_product): K nodes by columns (stride K) with rows
-       [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, w_11, w_12, w_22] for each of the two
+       [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, M moment weights] for each of the two
        weight sets.  h = Φ⁻¹u; the sign s of hᵀPω picks the larger term, y = s h − ω its
        deviation, E = −½ yᵀPy − log|det Φ| its log weight and e^(E − 2|hᵀPω|) the other's (at
-       −s h).  Pass 1 writes E and t = 2|hᵀPω| into buf and returns max E; pass 2 sums, per
-       weight set and relative to e^max, [Σ w e(1 + q), Σ w e q, Σ w e y (2), Σ w e q y (2),
-       Σ w e (1 + q) y yᵀ (3: 00, 01, 11), Σ w_ab e (1 + q) (3)] with e = e^(E − max),
-       q = e^−t. */
-    #define SMI_THETA_SUMS 12
-    static double smi_theta_sample(long K, const double* restrict nodes, const double* restrict W,
+       −s h).  Pass 1 writes E and t = 2|hᵀPω| into buf and returns max E; pass 2 turns them into
+       e = e^(E − max) and q = e^−t; pass 3 sums, per weight set and relative to e^max,
+       [Σ w e(1 + q), Σ w e q, Σ w e y (2), Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)]
+       and Σ w_r e (1 + q) for each moment row r. */
+    #define SMI_THETA_SUMS 9
+    static double smi_theta_sample(long K, int M, const double* restrict nodes, const double* restrict W,
                                    const double* u, const double* omega, const double* P,
                                    double* restrict buf, double* restrict out) {
         const double* F00 = nodes; const double* F01 = nodes + K; const double* F10 = nodes + 2 * K;
@@ -2444,53 +2444,62 @@ cdef extern from *:
             E[k] = e; T[k] = 2.0 * fabs(s);
             mx = SMI_MAX(mx, e);
         }
-        for (int j = 0; j < 2 * SMI_THETA_SUMS; j++) out[j] = 0.0;
+        for (int j = 0; j < 2 * (SMI_THETA_SUMS + M); j++) out[j] = 0.0;
         if (!(mx > -INFINITY)) return mx;
+        #pragma omp simd
+        for (long k = 0; k < K; k++) {
+            E[k] = smi_exp_neg(E[k] - mx); T[k] = smi_exp_neg(-T[k]);
+        }
         for (int set = 0; set < 2; set++) {
-            const double* w = W + 4 * set * K; const double* wa = w + K; const double* wb = w + 2 * K;
-            const double* wc = w + 3 * K;
-            double z = 0, zq = 0, m0 = 0, m1 = 0, q0 = 0, q1 = 0, s00 = 0, s01 = 0, s11 = 0, a = 0, b = 0, c = 0;
-            #pragma omp simd reduction(+:z, zq, m0, m1, q0, q1, s00, s01, s11, a, b, c)
+            const double* w = W + (1 + M) * set * K;
+            double z = 0, zq = 0, m0 = 0, m1 = 0, q0 = 0, q1 = 0, s00 = 0, s01 = 0, s11 = 0;
+            #pragma omp simd reduction(+:z, zq, m0, m1, q0, q1, s00, s01, s11)
             for (long k = 0; k < K; k++) {
                 double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
                 double sg = h0 * v0 + h1 * v1 < 0 ? -1.0 : 1.0;
                 double y0 = sg * h0 - w0, y1 = sg * h1 - w1;
-                double e = smi_exp_neg(E[k] - mx), q = smi_exp_neg(-T[k]);
-                double we = w[k] * e, wq = we * q, wt = we + wq, g = e + e * q;
+                double we = w[k] * E[k], wq = we * T[k], wt = we + wq;
                 z += wt; zq += wq; m0 += we * y0; m1 += we * y1; q0 += wq * y0; q1 += wq * y1;
                 s00 += wt * y0 * y0; s01 += wt * y0 * y1; s11 += wt * y1 * y1;
-                a += wa[k] * g; b += wb[k] * g; c += wc[k] * g;
             }
-            double* o = out + SMI_THETA_SUMS * set;
+            double* o = out + (SMI_THETA_SUMS + M) * set;
             o[0] = z; o[1] = zq; o[2] = m0; o[3] = m1; o[4] = q0; o[5] = q1;
-            o[6] = s00; o[7] = s01; o[8] = s11; o[9] = a; o[10] = b; o[11] = c;
+            o[6] = s00; o[7] = s01; o[8] = s11;
+            for (int r = 0; r < M; r++) {
+                const double* wr = w + (1 + r) * K;
+                double a = 0;
+                #pragma omp simd reduction(+:a)
+                for (long k = 0; k < K; k++) a += wr[k] * (E[k] + E[k] * T[k]);
+                o[SMI_THETA_SUMS + r] = a;
+            }
         }
         return mx;
     }
     """
     int SMI_THETA_SUMS
-    double smi_theta_sample(long K, const double* nodes, const double* W, const double* u, const double* omega,
-                            const double* P, double* buf, double* out) noexcept nogil
+    double smi_theta_sample(long K, int M, const double* nodes, const double* W, const double* u,
+                            const double* omega, const double* P, double* buf, double* out) noexcept nogil
 
 
 def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, const double[:, ::1] u,
                   const double[:, ::1] omega, const double[:, ::1] prec, double[:, ::1] out, int threads=0):
     """The θ rule (smi_core.theta_rule) on K nodes shared by every sample: ``nodes`` rows [Φ⁻¹
-    (2×2, row-major), log|det Φ|], ``weights`` rows [w, w_11, w_12, w_22] of the full and the
-    truncated rule (8 × K); per sample u_2 (2), ω_2 (2) and P = V_22⁻¹ as [P_00, P_01, P_11].
-    Row i of ``out``: [max log weight, the 12 sums of each weight set] (``smi_theta_sample``)."""
+    (2×2, row-major), log|det Φ|], ``weights`` rows [w, M moment weights] of the full and the
+    truncated rule (2(1 + M) × K); per sample u_L (2), ω_L (2) and P = V_LL⁻¹ as [P_00, P_01, P_11].
+    Row i of ``out``: [max log weight, the 9 + M sums of each weight set] (``smi_theta_sample``)."""
     cdef Py_ssize_t n = u.shape[0], K = nodes.shape[1], i
+    cdef int M = weights.shape[0] // 2 - 1
     cdef double* buf
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not (nodes.shape[0] == 5 and weights.shape[0] == 8 and weights.shape[1] == K and K > 0
+    if not (nodes.shape[0] == 5 and weights.shape[0] % 2 == 0 and M >= 0 and weights.shape[1] == K and K > 0
             and u.shape[1] == 2 and omega.shape[0] == n and omega.shape[1] == 2 and prec.shape[0] == n
-            and prec.shape[1] == 3 and out.shape[0] == n and out.shape[1] == 1 + 2 * SMI_THETA_SUMS):
-        raise ValueError("theta_product needs nodes of 5 rows, weights of 8 rows over the same nodes, and per "
-                         "sample u (2), omega (2), prec (3) and out (25)")
+            and prec.shape[1] == 3 and out.shape[0] == n and out.shape[1] == 1 + 2 * (SMI_THETA_SUMS + M)):
+        raise ValueError("theta_product needs nodes of 5 rows, weights of 2(1 + M) rows over the same nodes, "
+                         "and per sample u (2), omega (2), prec (3) and out (1 + 2(9 + M))")
     with nogil:
         for i in prange(n, num_threads=threads, schedule="static"):
             buf = <double*> malloc(2 * K * sizeof(double))
-            out[i, 0] = smi_theta_sample(K, &nodes[0, 0], &weights[0, 0], &u[i, 0], &omega[i, 0], &prec[i, 0],
+            out[i, 0] = smi_theta_sample(K, M, &nodes[0, 0], &weights[0, 0], &u[i, 0], &omega[i, 0], &prec[i, 0],
                                          buf, &out[i, 1])
             free(buf)

@@ -423,7 +423,7 @@ class ReparamChannel(PolarRule, Channel):
                 sums = np.empty((i.size, 25))
                 _quadrature.theta_product(self._theta_nodes(n), theta_rule.weights(self.model.beta * v1, n),
                                           u[i], np.ascontiguousarray(omega[i, 1]), prec[i], sums, self.threads)
-                full, cut = (theta_rule.sums(sums, s, omega[i, 1], v1, V[i, 1, 1]) for s in (0, 1))
+                full, cut = (theta_rule.sums(sums, s, omega[i, 1], [v1], V[i, 1, 1]) for s in (0, 1))
                 estimate = self._spread([full, cut], omega[i], V[i], Vinv[i], ref[i])
                 take = estimate <= goal
                 for a, b in zip(out, (*_about(ref[i], *full), estimate)):

@@ -176,25 +176,29 @@ def grid(n, beta):
     return np.stack([a1 / s, -a2 / s])
 
 
-def sums(out, s, omega2, v1, v2):
+def sums(out, s, omega, priors, v):
     """(log Z, E[Z − ω], E[(Z − ω)(Z − ω)ᵀ]) of weight set s (0: full, 1: truncated) from
-    ``_quadrature.theta_product``'s rows ``out`` (ω_1 = 0; Z = [h_1; h_2], index a*T + t):
-    the larger sign's deviation y = ±h_2 − ω_2 weighs e, the other's −y − 2ω_2 e·q, so
-    E[h_2 − ω_2] = (Σ e y − Σ e q y − 2ω_2 Σ e q)/Z and the second moment adds
-    2(Σ e q y)ω_2ᵀ + 2ω_2(Σ e q y)ᵀ + 4ω_2ω_2ᵀ Σ e q to Σ e(1 + q) y yᵀ; E[h_1 h_1ᵀ] = v_1 Σ w_ab e(1 + q)/Z;
-    log Z adds the running maximum and N(·; ω_2, v_2 I)'s −log(2π v_2)."""
-    n = len(out)
-    z, zq, m0, m1, q0, q1, s00, s01, s11, a, b, c = out[:, 1 + 12 * s:13 + 12 * s].T
+    ``_quadrature.theta_product``'s rows ``out`` (ω_ℓ = 0 before the last layer; Z = [h_1; …; h_L],
+    index a*T + t; ``omega`` ω_L, ``v`` V_LL, ``priors`` V_ℓℓ of the earlier layers, whose
+    h_ℓ h_ℓᵀ weights are three rows each): the larger sign's deviation y = ±h_L − ω_L weighs e,
+    the other's −y − 2ω_L e·q, so E[h_L − ω_L] = (Σ e y − Σ e q y − 2ω_L Σ e q)/Z and the second
+    moment adds 2(Σ e q y)ω_Lᵀ + 2ω_L(Σ e q y)ᵀ + 4ω_Lω_Lᵀ Σ e q to Σ e(1 + q) y yᵀ;
+    E[h_ℓ h_ℓᵀ] = V_ℓℓ Σ w_ab e(1 + q)/Z; log Z adds the running maximum and N(·; ω_L, v I)'s
+    −log(2π v)."""
+    n, L = len(out), len(priors) + 1
+    width = 9 + 3 * (L - 1)
+    cols = out[:, 1 + width * s:1 + width * (s + 1)].T
+    z, zq, m0, m1, q0, q1, s00, s01, s11 = cols[:9]
     q = np.stack([q0, q1], axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        mean2 = (np.stack([m0, m1], axis=1) - q - 2 * omega2 * zq[:, None]) / z[:, None]
+        mean, second = np.zeros((n, 2 * L)), np.zeros((n, 2 * L, 2 * L))
+        mean[:, -2:] = (np.stack([m0, m1], axis=1) - q - 2 * omega * zq[:, None]) / z[:, None]
         S = np.stack([np.stack([s00, s01], axis=1), np.stack([s01, s11], axis=1)], axis=1)
-        S += 2 * (q[:, :, None] * omega2[:, None, :] + omega2[:, :, None] * q[:, None, :])
-        S += 4 * zq[:, None, None] * omega2[:, :, None] * omega2[:, None, :]
-        H = v1 * np.stack([np.stack([a, b], axis=1), np.stack([b, c], axis=1)], axis=1)
-        mean, second = np.zeros((n, 4)), np.zeros((n, 4, 4))
-        mean[:, 2:] = mean2
-        second[:, :2, :2] = H / z[:, None, None]
-        second[:, 2:, 2:] = S / z[:, None, None]
-        log_z = np.log(z) + out[:, 0] - np.log(2 * np.pi * v2)
+        S += 2 * (q[:, :, None] * omega[:, None, :] + omega[:, :, None] * q[:, None, :])
+        S += 4 * zq[:, None, None] * omega[:, :, None] * omega[:, None, :]
+        second[:, -2:, -2:] = S / z[:, None, None]
+        for l, vl in enumerate(priors):
+            a, b, c = cols[9 + 3 * l:12 + 3 * l]
+            second[:, 2 * l:2 * l + 2, 2 * l:2 * l + 2] = vl * np.stack([np.stack([a, b], 1), np.stack([b, c], 1)], 1) / z[:, None, None]
+        log_z = np.log(z) + out[:, 0] - np.log(2 * np.pi * v)
     return log_z, mean, second
