@@ -2417,68 +2417,82 @@ def piece_segments(const long[::1] sample, const long[::1] seg_start, const long
 
 cdef extern from *:
     """
-    /* The θ rule's sums for one sample (theta_product): K nodes by columns (stride K) with rows
-       [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, M moment weights] for each of the two
-       weight sets.  h = Φ⁻¹u; the sign s of hᵀPω picks the larger term, y = s h − ω its
-       deviation, E = −½ yᵀPy − log|det Φ| its log weight and e^(E − 2|hᵀPω|) the other's (at
-       −s h).  Pass 1 writes E and t = 2|hᵀPω| into buf and returns max E; pass 2 turns them into
-       e = e^(E − max) and q = e^−t; pass 3 sums, per weight set and relative to e^max,
-       [Σ w e(1 + q), Σ w e q, Σ w e y (2), Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)]
-       and Σ w_r e (1 + q) for each moment row r. */
+    /* The θ rule's sums for one sample over nodes [k0, k1) (theta_product): K nodes by columns
+       (stride K) with rows [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, M moment weights]
+       for each of the two weight sets.  h = Φ⁻¹u; the sign s of hᵀPω picks the larger term,
+       y = s h − ω its deviation, E = −½ yᵀPy − log|det Φ| its log weight and e^(E − 2|hᵀPω|)
+       the other's (at −s h).  st = [running max, the sums of each set relative to e^max]: the
+       tile's E and t = 2|hᵀPω| go into buf, the sums are rescaled when the tile raises the max,
+       then e = e^(E − max), q = e^−t and, per set, [Σ w e(1 + q), Σ w e q, Σ w e y (2),
+       Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)] and Σ w_r e (1 + q) per moment row r
+       are added.  A tile below e^−SMI_THETA_SKIP of the max adds nothing. */
     #define SMI_THETA_SUMS 9
-    static double smi_theta_sample(long K, int M, const double* restrict nodes, const double* restrict W,
-                                   const double* u, const double* omega, const double* P,
-                                   double* restrict buf, double* restrict out) {
+    #define SMI_THETA_SKIP 60.0
+    static void smi_theta_tile(long K, int M, long k0, long k1, const double* restrict nodes,
+                               const double* restrict W, const double* u, const double* omega,
+                               const double* P, double* restrict buf, double* restrict st) {
         const double* F00 = nodes; const double* F01 = nodes + K; const double* F10 = nodes + 2 * K;
         const double* F11 = nodes + 3 * K; const double* LD = nodes + 4 * K;
         double u0 = u[0], u1 = u[1], w0 = omega[0], w1 = omega[1], p00 = P[0], p01 = P[1], p11 = P[2];
         double v0 = p00 * w0 + p01 * w1, v1 = p01 * w0 + p11 * w1, mx = -INFINITY;
-        double* E = buf; double* T = buf + K;
+        long n = k1 - k0;
+        double* E = buf; double* T = buf + n;
+        int S = SMI_THETA_SUMS + M;
         #pragma omp simd reduction(max:mx)
-        for (long k = 0; k < K; k++) {
-            double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
+        for (long k = 0; k < n; k++) {
+            long j = k0 + k;
+            double h0 = F00[j] * u0 + F01[j] * u1, h1 = F10[j] * u0 + F11[j] * u1;
             double s = h0 * v0 + h1 * v1, sg = s < 0 ? -1.0 : 1.0;
             double y0 = sg * h0 - w0, y1 = sg * h1 - w1;
-            double e = -0.5 * (p00 * y0 * y0 + 2.0 * p01 * y0 * y1 + p11 * y1 * y1) - LD[k];
+            double e = -0.5 * (p00 * y0 * y0 + 2.0 * p01 * y0 * y1 + p11 * y1 * y1) - LD[j];
             e = SMI_FINITE(e) ? e : -INFINITY;
             E[k] = e; T[k] = 2.0 * fabs(s);
             mx = SMI_MAX(mx, e);
         }
-        for (int j = 0; j < 2 * (SMI_THETA_SUMS + M); j++) out[j] = 0.0;
-        if (!(mx > -INFINITY)) return mx;
+        if (!(mx > st[0] - SMI_THETA_SKIP)) return;
+        if (mx > st[0]) {
+            double scale = st[0] > -INFINITY ? exp(st[0] - mx) : 0.0;
+            for (int j = 1; j <= 2 * S; j++) st[j] *= scale;
+            st[0] = mx;
+        }
+        mx = st[0];
         #pragma omp simd
-        for (long k = 0; k < K; k++) {
+        for (long k = 0; k < n; k++) {
             E[k] = smi_exp_neg(E[k] - mx); T[k] = smi_exp_neg(-T[k]);
         }
         for (int set = 0; set < 2; set++) {
-            const double* w = W + (1 + M) * set * K;
+            const double* w = W + (1 + M) * set * K + k0;
             double z = 0, zq = 0, m0 = 0, m1 = 0, q0 = 0, q1 = 0, s00 = 0, s01 = 0, s11 = 0;
             #pragma omp simd reduction(+:z, zq, m0, m1, q0, q1, s00, s01, s11)
-            for (long k = 0; k < K; k++) {
-                double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
+            for (long k = 0; k < n; k++) {
+                long j = k0 + k;
+                double h0 = F00[j] * u0 + F01[j] * u1, h1 = F10[j] * u0 + F11[j] * u1;
                 double sg = h0 * v0 + h1 * v1 < 0 ? -1.0 : 1.0;
                 double y0 = sg * h0 - w0, y1 = sg * h1 - w1;
                 double we = w[k] * E[k], wq = we * T[k], wt = we + wq;
                 z += wt; zq += wq; m0 += we * y0; m1 += we * y1; q0 += wq * y0; q1 += wq * y1;
                 s00 += wt * y0 * y0; s01 += wt * y0 * y1; s11 += wt * y1 * y1;
             }
-            double* o = out + (SMI_THETA_SUMS + M) * set;
-            o[0] = z; o[1] = zq; o[2] = m0; o[3] = m1; o[4] = q0; o[5] = q1;
-            o[6] = s00; o[7] = s01; o[8] = s11;
+            double* o = st + 1 + S * set;
+            o[0] += z; o[1] += zq; o[2] += m0; o[3] += m1; o[4] += q0; o[5] += q1;
+            o[6] += s00; o[7] += s01; o[8] += s11;
             for (int r = 0; r < M; r++) {
                 const double* wr = w + (1 + r) * K;
                 double a = 0;
                 #pragma omp simd reduction(+:a)
-                for (long k = 0; k < K; k++) a += wr[k] * (E[k] + E[k] * T[k]);
-                o[SMI_THETA_SUMS + r] = a;
+                for (long k = 0; k < n; k++) a += wr[k] * (E[k] + E[k] * T[k]);
+                o[SMI_THETA_SUMS + r] += a;
             }
         }
-        return mx;
     }
     """
     int SMI_THETA_SUMS
-    double smi_theta_sample(long K, int M, const double* nodes, const double* W, const double* u,
-                            const double* omega, const double* P, double* buf, double* out) noexcept nogil
+    void smi_theta_tile(long K, int M, long k0, long k1, const double* nodes, const double* W, const double* u,
+                        const double* omega, const double* P, double* buf, double* st) noexcept nogil
+
+
+THETA_TILE = 2048       # nodes per tile: a tile's node rows and weights (≈ 300 kB at M = 6) stay in cache
+THETA_CHUNK = 16        # samples that go over the tiles together
 
 
 def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, const double[:, ::1] u,
@@ -2486,8 +2500,11 @@ def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, cons
     """The θ rule (smi_core.theta_rule) on K nodes shared by every sample: ``nodes`` rows [Φ⁻¹
     (2×2, row-major), log|det Φ|], ``weights`` rows [w, M moment weights] of the full and the
     truncated rule (2(1 + M) × K); per sample u_L (2), ω_L (2) and P = V_LL⁻¹ as [P_00, P_01, P_11].
-    Row i of ``out``: [max log weight, the 9 + M sums of each weight set] (``smi_theta_sample``)."""
-    cdef Py_ssize_t n = u.shape[0], K = nodes.shape[1], i
+    Row i of ``out``: [max log weight, the 9 + M sums of each weight set] (``smi_theta_tile``),
+    THETA_CHUNK samples at a time over tiles of THETA_TILE nodes (the node data read once per
+    chunk, not per sample)."""
+    cdef Py_ssize_t n = u.shape[0], K = nodes.shape[1], c, i, j, k0
+    cdef Py_ssize_t tile = THETA_TILE, chunk = THETA_CHUNK
     cdef int M = weights.shape[0] // 2 - 1
     cdef double* buf
     if threads <= 0:
@@ -2497,9 +2514,14 @@ def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, cons
             and prec.shape[1] == 3 and out.shape[0] == n and out.shape[1] == 1 + 2 * (SMI_THETA_SUMS + M)):
         raise ValueError("theta_product needs nodes of 5 rows, weights of 2(1 + M) rows over the same nodes, "
                          "and per sample u (2), omega (2), prec (3) and out (1 + 2(9 + M))")
+    out[:, 0] = -INFINITY
+    out[:, 1:] = 0.0
     with nogil:
-        for i in prange(n, num_threads=threads, schedule="static"):
-            buf = <double*> malloc(2 * K * sizeof(double))
-            out[i, 0] = smi_theta_sample(K, M, &nodes[0, 0], &weights[0, 0], &u[i, 0], &omega[i, 0], &prec[i, 0],
-                                         buf, &out[i, 1])
+        for c in prange((n + chunk - 1) // chunk, num_threads=threads, schedule="dynamic"):
+            buf = <double*> malloc(2 * tile * sizeof(double))
+            for j in range((K + tile - 1) // tile):
+                k0 = j * tile
+                for i in range(c * chunk, min(n, c * chunk + chunk)):
+                    smi_theta_tile(K, M, k0, min(K, k0 + tile), &nodes[0, 0], &weights[0, 0], &u[i, 0],
+                                   &omega[i, 0], &prec[i, 0], buf, &out[i, 0])
             free(buf)

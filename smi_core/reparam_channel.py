@@ -12,7 +12,7 @@ from itertools import product
 
 import numpy as np
 
-from . import _quadrature, cusp_rule, logit_rule, theta_rule, validate
+from . import _quadrature, cusp_rule, logit_rule, theta3_rule, theta_rule, validate
 from .channels import (DEFAULT_NODES, Channel, _amp, _given_h1, _keep_lower, _per_token, _settings,
                        _shallow, _whitening)
 from .logit_rule import attention_targets
@@ -152,7 +152,8 @@ class ReparamChannel(PolarRule, Channel):
         self.escalate = default if escalate is None else validate.positive("escalate", escalate)
         self.escalation = _settings("escalation", self.ESCALATION.get(model.tokens, self.ESCALATION[2]), escalation)
         self._u_model = _shallow(model, self.threads, 1)
-        self._theta_grids = {}          # the θ rule's node rows per n (``_theta_nodes``)
+        self._theta_grids = {}          # the θ rule's node rows per level (``_theta_nodes``)
+        self._theta_weights = {}        # three layers: the weights per level (``_theta_rule``)
         if model.layers >= 2:
             self._node_kernel = model.kernel("node", self.threads)
             self._jac_kernel = model.kernel("node_jacobian", self.threads)
@@ -161,6 +162,7 @@ class ReparamChannel(PolarRule, Channel):
         if model.layers == 3:
             # Φ⁽¹⁾⁻¹u_2 for the adaptive rule (``_pinned3``)
             self._phi1_kernel = _shallow(model, self.threads, 2).kernel("node")
+            self._phi1_inverse = _shallow(model, self.threads, 2).kernel("inverse")   # Φ⁽¹⁾ (``_theta_layer1``)
             if options.get("max_regions") is None:      # the Laplace path's adaptive budget
                 self.max_regions = self.LAPLACE3_REGIONS
         self.model_is_points = model.layers == 1
@@ -396,34 +398,58 @@ class ReparamChannel(PolarRule, Channel):
     # 1.1e-7 / 1.2e-7 at 2 166 / 5 172 / 4 010 nodes per sample.
     THETA = dict(levels=(33, 57, 81), resolve=1.5, start=3.0, margin=0.25)
 
+    # three layers, T = 2, the first two not learned (ω_1 = ω_2 = 0, V diagonal: state evolution
+    # at q = diag(0, 0, q₃₃)) and the last layer pinned (V₃₃ ≤ ``pinned``, where the polar rule
+    # stalls: up to 1.2 off by default at q₃₃ = 0.99): the nested θ rule (smi_core.theta3_rule)
+    # at (n_1, n_2) for each of ``levels``, as the two-layer rule with w = √V₃₃ (c + √2)²/|ω_31 −
+    # ω_32| (‖Φ⁽²⁾‖ ≤ (c + √2)²) and min(n_1, n_2)·w against ``resolve`` / ``start``, a sample
+    # standing at ``margin`` × the target (``tol``, else ``escalate``).
+    THETA3 = dict(levels=((21, 21), (33, 33)), resolve=1.5, start=3.0, margin=0.25, pinned=0.1)
+
     def _theta_applies(self, omega, V):
-        """Per sample: two layers, T = 2, the θ rule on and a target, ω_1 = 0 and V₁₂ = 0."""
-        if not (self.model.layers == 2 and self.T == 2 and self.escalation.get("theta")
-                and self._polar_target() is not None):
+        """Per sample: T = 2, the θ rule on and a target (``_theta_target``), the earlier layers not
+        learned (ω_ℓ = 0 and V diagonal) and, for three layers, V₃₃ ≤ THETA3["pinned"]."""
+        L = self.model.layers
+        if not (L in (2, 3) and self.T == 2 and self.escalation.get("theta") and self._theta_target() is not None):
             return np.zeros(len(omega), dtype=bool)
-        return (omega[:, 0] == 0).all(axis=1) & (V[:, 0, 1] == 0)
+        off = V - np.einsum("nii->ni", V)[:, :, None] * np.eye(L)
+        ok = (omega[:, :L - 1] == 0).all(axis=(1, 2)) & (off == 0).all(axis=(1, 2))
+        return ok & (V[:, 2, 2] <= self.THETA3["pinned"]) if L == 3 else ok
+
+    def _theta_target(self):
+        """Two layers: the polar rounds' target × ``escalation["refine"]``; three: the Laplace
+        rule's (``tol``, else ``escalate``)."""
+        if self.model.layers == 2:
+            target = self._polar_target()
+            return None if target is None else target * self.escalation["refine"]
+        return self._laplace_target()
 
     def _theta(self, y, omega, V, Vinv, out, idx):
-        """The θ rule's levels for the samples (y, ω, V) (``_theta_applies``), each prior v_1 =
-        V₁₁ apart; its results (log Z, E[Z], Cov[Z], estimate) written into ``out`` at idx where
-        the estimate ends below ``margin`` × the target.  Returns the mask of those samples."""
-        goal = self._polar_target() * self.escalation["refine"] * self.THETA["margin"]
+        """The θ rule's levels for the samples (y, ω, V) (``_theta_applies``), each set of prior
+        variances V_ℓℓ (ℓ < L) apart; its results (log Z, E[Z], Cov[Z], estimate) written into
+        ``out`` at idx where the estimate ends below ``margin`` × the target.  Returns the mask of
+        those samples."""
+        L = self.model.layers
+        settings = self.THETA if L == 2 else self.THETA3
+        goal = self._theta_target() * settings["margin"]
         u = np.ascontiguousarray(self._polar_input(y))
         ref = np.ascontiguousarray(omega.reshape(len(y), -1))
-        prec = np.stack([Vinv[:, 1, 1], np.zeros(len(y)), Vinv[:, 1, 1]], axis=1)
+        prec = np.stack([Vinv[:, -1, -1], np.zeros(len(y)), Vinv[:, -1, -1]], axis=1)
+        omega_l = np.ascontiguousarray(omega[:, -1])
         done = np.zeros(len(y), dtype=bool)
         width = self._theta_width(omega, V)
-        levels = self.THETA["levels"]
-        for v1 in np.unique(V[:, 0, 0]):
+        priors = np.einsum("nii->ni", V)[:, :L - 1]
+        levels = settings["levels"]
+        for v in np.unique(priors, axis=0):
             for n in levels:
-                least = self.THETA["resolve" if n == levels[-1] else "start"]
-                i = np.flatnonzero((V[:, 0, 0] == v1) & ~done & (n * width >= least))
+                least = settings["resolve" if n == levels[-1] else "start"]
+                i = np.flatnonzero((priors == v).all(axis=1) & ~done & (np.min(n) * width >= least))
                 if not i.size:
                     continue
-                sums = np.empty((i.size, 25))
-                _quadrature.theta_product(self._theta_nodes(n), theta_rule.weights(self.model.beta * v1, n),
-                                          u[i], np.ascontiguousarray(omega[i, 1]), prec[i], sums, self.threads)
-                full, cut = (theta_rule.sums(sums, s, omega[i, 1], [v1], V[i, 1, 1]) for s in (0, 1))
+                nodes, weights = self._theta_rule(tuple(v), n)
+                sums = np.empty((i.size, 1 + 2 * (9 + 3 * (L - 1))))
+                _quadrature.theta_product(nodes, weights, u[i], omega_l[i], prec[i], sums, self.threads)
+                full, cut = (theta_rule.sums(sums, s, omega_l[i], v, V[i, -1, -1]) for s in (0, 1))
                 estimate = self._spread([full, cut], omega[i], V[i], Vinv[i], ref[i])
                 take = estimate <= goal
                 for a, b in zip(out, (*_about(ref[i], *full), estimate)):
@@ -432,18 +458,52 @@ class ReparamChannel(PolarRule, Channel):
         return done
 
     def _theta_width(self, omega, V):
-        """The likelihood's sd in θ (theta_rule): w = √V₂₂ (c + √2)/|ω_21 − ω_22|, ‖Φ‖ ≤ c + √2."""
+        """The likelihood's sd in θ (theta_rule): w = √V_LL (c + √2)^(L−1)/|ω_L1 − ω_L2|, ‖Φ_ℓ‖ ≤ c + √2."""
+        L = self.model.layers
         with np.errstate(divide="ignore"):
-            return np.sqrt(V[:, 1, 1]) * (self.model.skip + np.sqrt(2)) / np.abs(omega[:, 1, 0] - omega[:, 1, 1])
+            return (np.sqrt(V[:, -1, -1]) * (self.model.skip + np.sqrt(2)) ** (L - 1)
+                    / np.abs(omega[:, -1, 0] - omega[:, -1, 1]))
 
-    def _theta_nodes(self, n):
-        """The θ rule's node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] at its n × n grid (the
-        generated inverse kernel at a pre-image h_1 of each θ node), once per n."""
+    def _theta_rule(self, priors, n):
+        """(node rows, weights) of the θ rule at level n for prior variances ``priors`` (V_ℓℓ,
+        ℓ < L): node rows [Φ⁽ᴸ⁻¹⁾⁻¹ (2×2, row-major), log|det Φ⁽ᴸ⁻¹⁾|] by the generated inverse
+        kernel at a pre-image of each node, kept per n; weights ``theta_rule.weights`` (two
+        layers) or ``theta3_rule.weights`` (three), kept per (priors, n)."""
+        beta = self.model.beta
+        if self.model.layers == 2:
+            return self._theta_nodes(n, lambda: theta_rule.grid(n, beta)), theta_rule.weights(beta * priors[0], n)
+        if self._theta_weights.get("priors") != priors:          # kept for one set of priors (≈ 130 MB at 33)
+            self._theta_weights = {"priors": priors}
+        if n not in self._theta_weights:
+            phi1 = np.linalg.inv(self._theta_layer1(theta3_rule.K)[1])
+            inner = theta3_rule.interpolate(theta3_rule.table(beta * priors[1], phi1), n[0])
+            self._theta_weights[n] = theta3_rule.weights(beta * priors[0], inner, self._theta_layer1(n[0])[1], *n)
+        g = theta_rule.grid(n[1], beta)
+
+        def preimages():
+            h1, phi1inv = self._theta_layer1(n[0])
+            h2 = np.einsum("iab,bj->aij", phi1inv, g)                        # h_2 = Φ_1⁻¹g per (θ_1, θ_2) node
+            return np.concatenate([np.repeat(h1, g.shape[1], axis=1), h2.reshape(2, -1)])
+        return self._theta_nodes(n, preimages), self._theta_weights[n]
+
+    def _theta_layer1(self, n):
+        """h_1 (2, n²) at the θ rule's n × n grid (``theta_rule.grid``) and Φ_1⁻¹ there (n², 2, 2),
+        by the two-layer model's generated inverse kernel."""
+        cols = np.zeros((8, n * n))
+        cols[:2] = theta_rule.grid(n, self.model.beta)
+        self._phi1_inverse.columns(cols[:2], self.model.params, cols[3:])
+        return cols[:2], cols[3:7].T.reshape(-1, 2, 2)
+
+    def _theta_nodes(self, n, preimages):
+        """The θ rule's node rows [Φ⁻¹ (2×2, row-major), log|det Φ|] at level n (the generated
+        inverse kernel at the pre-images x (``preimages()``, (L−1)T × nodes) of its nodes), once per n."""
         if n not in self._theta_grids:
-            cols = np.zeros((8, n * n))
-            cols[:2] = theta_rule.grid(n, self.model.beta)
-            self._polar_fill(cols, 2)
-            self._theta_grids[n] = np.ascontiguousarray(cols[3:])
+            x = preimages()
+            m = len(x)
+            cols = np.zeros((m + 6, x.shape[1]))
+            cols[:m] = x
+            self._polar_fill(cols, m)
+            self._theta_grids[n] = np.ascontiguousarray(cols[m + 1:])
         return self._theta_grids[n]
 
     def _polar_rules(self, y, omega, V, Vinv, logdetV):

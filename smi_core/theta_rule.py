@@ -76,27 +76,29 @@ def _attention(d, m, b):
 
 
 def cache_path(b: float) -> Path:
-    """Where ``moments(b)`` is kept between runs: $SMI_CACHE (default ~/.cache/smi, as the
-    kernels compiled on demand) /theta, the file named by a digest of b and the moments' rule."""
-    rule = repr((DEGREE, REACH, CLIFFS.tolist(), STEP, NODES, float(b))).encode()
+    """Where ``moments(b)`` is kept between runs (``cache_file``), named by a digest of b and the
+    moments' rule."""
+    return cache_file("moments", (DEGREE, REACH, CLIFFS.tolist(), STEP, NODES, float(b)))
+
+
+def cache_file(kind: str, rule) -> Path:
+    """$SMI_CACHE (default ~/.cache/smi, as the kernels compiled on demand) /theta/kind-digest.npy,
+    the digest of repr(rule)."""
     root = Path(os.environ.get("SMI_CACHE") or Path.home() / ".cache" / "smi")
-    return root / "theta" / f"moments-{hashlib.sha256(rule).hexdigest()[:16]}.npy"
+    return root / "theta" / f"{kind}-{hashlib.sha256(repr(rule).encode()).hexdigest()[:16]}.npy"
 
 
-@lru_cache(maxsize=8)
-def moments(b: float) -> np.ndarray:
-    """μ (4, DEGREE, DEGREE): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1², x_1x_2, x_2², for
-    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 7 s per b; read from ``cache_path(b)`` where
-    an earlier run left it (written there atomically when the folder can be made)."""
-    path = cache_path(b)
+def cached(path: Path, shape, compute, what: str) -> np.ndarray:
+    """The array at ``path`` if it has ``shape``; else compute() (announcing ``what`` on stderr),
+    written there atomically when the folder can be made."""
     try:
         mu = np.load(path)
-        if mu.shape == (4, DEGREE, DEGREE):
+        if mu.shape == tuple(shape):
             return mu
     except (OSError, ValueError):
         pass
-    print(f"smi: the θ rule's weights for βV₁₁ = {b:g} (once: cached in {path.parent})", file=sys.stderr)
-    mu = _moments(b)
+    print(f"smi: {what} (once: cached in {path.parent})", file=sys.stderr)
+    mu = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -106,6 +108,14 @@ def moments(b: float) -> np.ndarray:
     except OSError:
         pass
     return mu
+
+
+@lru_cache(maxsize=8)
+def moments(b: float) -> np.ndarray:
+    """μ (4, DEGREE, DEGREE): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1², x_1x_2, x_2², for
+    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 7 s per b; read from ``cache_path(b)`` where
+    an earlier run left it."""
+    return cached(cache_path(b), (4, DEGREE, DEGREE), lambda: _moments(b), f"the θ rule's weights for βV₁₁ = {b:g}")
 
 
 def _moments(b, S=None, degree=None, nodes=NODES):
