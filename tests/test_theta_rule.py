@@ -9,7 +9,7 @@ import pytest
 import nested_reference as nested
 import theta3_reference as theta3
 from channel_reference import metric
-from smi_core import DeepAttention, theta_rule
+from smi_core import DeepAttention, theta3_rule, theta_rule
 from smi_core.reparam_channel import ReparamChannel
 
 RTOL = 1e-6
@@ -92,6 +92,38 @@ def test_reparam_l3_pinned_against_the_nested_theta_reference():
     mo = ch.moments(y[good], omega[good], V)
     worst = max(metric(mo.g_out[i], mo.dg_out[i], a, b) for i, (a, b) in enumerate(zip(g[good], dg[good])))
     assert worst <= 1e-4, worst
+
+
+@pytest.mark.parametrize("skip", [1.0, 0.6])
+def test_reparam_l3_theta_rule_is_the_nested_rule(skip, tmp_path, monkeypatch):
+    """The channel's three-layer θ rule (one ``theta_product`` pass over the n_1² n_2² nodes, Φ from
+    the generated kernels) is the numpy nested rule of tests/theta3_reference.py (a loop over θ_1,
+    Φ written out) at the same levels, to rounding: a small rule (inner DEGREE 13, K = 3, level
+    (9, 13)) at q = diag(0, 0, 0.99), and the channel returns it."""
+    monkeypatch.setenv("SMI_CACHE", str(tmp_path))
+    monkeypatch.setattr(theta3_rule, "DEGREE", 13)
+    monkeypatch.setattr(theta3_rule, "K", 3)
+    monkeypatch.setattr(theta3_rule, "NODES", 4)
+    monkeypatch.setattr(theta_rule, "DEGREE", 9)            # the outer moments (the same weights at n = 9)
+    for f in (theta_rule.moments, theta_rule.weights):
+        f.cache_clear()
+    try:
+        m = DeepAttention(3, 2, skip=skip)
+        y, omega, V = _draws(m, [0.0, 0.0, 0.99], 8, 3)
+        ch = m.channel()
+        ch.THETA3 = dict(ch.THETA3, levels=((9, 13),), resolve=0.0, margin=np.inf)
+        Vb = np.broadcast_to(V, (len(y), 3, 3))
+        assert ch._theta_applies(omega, Vb).all()
+        mo = ch.moments(y, omega, V)
+        full, cut = theta3.moments(ch._polar_input(y), omega, V, skip, 1.0, 9, 13)
+        g, dg = theta3.denoiser(omega, V, *full[1:])
+        for i in range(len(y)):
+            assert metric(mo.g_out[i], mo.dg_out[i], g[i], dg[i]) <= 1e-10, i
+    finally:
+        for f in (theta_rule.moments, theta_rule.weights):
+            f.cache_clear()
+    assert m.channel(escalation={"theta": False})._theta_applies(omega, Vb).sum() == 0
+    assert not ch._theta_applies(omega, np.broadcast_to(np.diag([1.0, 1.0, 0.5]), Vb.shape)).any()   # not pinned
 
 
 def test_theta_moments_cached_on_disk(tmp_path, monkeypatch):

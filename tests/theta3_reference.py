@@ -6,7 +6,10 @@ The likelihood depends on (h_1, h_2) only through Φ⁽²⁾ = (cI + A(θ_2)) Φ
 per sign of u_3 it is N(±Φ⁽²⁾⁻¹u_3; ω_3, V₃₃)/|det Φ⁽²⁾|.  Outer: θ_1 by the two-layer θ rule's
 weights for h_1 ~ N(0, V₁₁ I).  Inner, per outer node: g = Φ_1 h_2 ~ N(0, V₂₂ Φ_1Φ_1ᵀ), θ_2 = σ(β
 a(g)), by product integration with the weights of that pushforward (``theta_rule._moments`` with
-S = Φ_1Φ_1ᵀ, b = βV₂₂), their Chebyshev moments interpolated in θ_1 from a k × k table.  E[h_1 |
+S = Φ_1Φ_1ᵀ, b = βV₂₂), their Chebyshev moments interpolated in θ_1 from a K × K table
+(``smi_core.theta3_rule.table`` and ``interpolate``, shared with the channel's rule: what is
+independent here is Φ (written out below, not the generated kernels), the nested loop and the
+sums' algebra).  E[h_1 |
 θ_1] = 0 and E[h_2 | θ_1, θ_2] = 0 (h_ℓ and −h_ℓ give the same θ_ℓ), E[h_2h_2ᵀ | ·] = Φ_1⁻¹ g gᵀ
 Φ_1⁻ᵀ from the weights of g gᵀ.
 
@@ -17,14 +20,9 @@ outer node, panels at the softmax's cliffs) at n_1 = 21, two draws agreed with t
 (weights ≈ 6e-6 apart at k = 9 against the moments computed directly)."""
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from smi_core import theta_rule
-
-DEGREE = 33           # the inner moments' degree (the finest inner level)
-NODES = 8             # Gauss–Legendre nodes per panel of the moments' rule (weights within 2e-10 of 16 at 33)
+from smi_core import theta3_rule, theta_rule
 
 
 def _theta(n):
@@ -40,27 +38,12 @@ def _phi(c, p, r):
     return c * np.eye(2) + A
 
 
-@lru_cache(maxsize=4)
-def table(b, c, k):
-    """μ (k², 4, DEGREE, DEGREE) of g ~ N(0, Φ_1Φ_1ᵀ) at θ_1 on the k × k grid (b = βV₂₂)."""
-    return np.stack([theta_rule._moments(b, P @ P.T, DEGREE, NODES) for P in _phi(c, *_theta(k))])
-
-
-def _interpolate(tab, k, n):
-    """The table's Chebyshev interpolant in θ_1 = (p, v) at the n × n grid: (n², 4, D, D)."""
-    C = theta_rule.points(k)[1]
-    coef = np.einsum("ja,lb,ab...->jl...", C, C, tab.reshape(k, k, *tab.shape[1:]))
-    x = theta_rule.points(n)[0]
-    Tp, Tv = theta_rule._chebyshev(2 * np.repeat(x, n) - 1, k), theta_rule._chebyshev(2 * np.tile(x, n) - 1, k)
-    return np.einsum("ji,li,jl...->i...", Tp, Tv, coef)
-
-
-def moments(u, omega, V, c, beta, n1, n2, k=9):
+def moments(u, omega, V, c, beta, n1, n2):
     """For each weight set (full, truncated): (log Z + const, E[Z] (n, 6), Cov[Z] (n, 6, 6)),
     index a·T + t; u (n, 2) the last layer's u_3 for one sign, omega (n, 3, 2), V (3, 3) diagonal."""
     ns, (v1, v2, v3) = len(u), np.diag(V)
     W1 = theta_rule.weights(beta * v1, n1)
-    mus = _interpolate(table(beta * v2, c, k), k, n1)
+    mus = theta3_rule.interpolate(theta3_rule.table(beta * v2, _phi(c, *_theta(theta3_rule.K))), n1)
     A2 = _phi(c, *_theta(n2))
     sums = [dict(M=np.full(ns, -np.inf), Z=np.zeros(ns), H3=np.zeros((ns, 2)), H33=np.zeros((ns, 2, 2)),
                  H11=np.zeros((ns, 3)), H22=np.zeros((ns, 2, 2))) for _ in range(2)]
