@@ -12,7 +12,10 @@ pinned, on more draws than the mpmath reference affords); noisy two layers with
 takes the pinned samples, and far more accurate there than the 4-D reference); two layers,
 T = 2 (V diagonal), with --nested-reference K against tests/nested_reference.py's nested (d, m)
 rule on K draws (numpy, ≈ 0.3 s per draw: independent of smi_core like the mpmath reference, and
-fast enough for hundreds of draws).
+fast enough for hundreds of draws); three layers with --pinned, with --theta3-reference K against
+tests/theta3_reference.py's nested θ rule at (57, 33) nodes per layer on K draws (≈ 8 s per draw),
+on the draws where it is within 1e-5 of its (45, 33) level and its truncated weights (their count
+in the first column).
 
 Draws are those of state evolution at overlap q·I: ω = √q ξ, V = (1-q) I, Z = ω + √(1-q) ζ;
 with --pinned at q = diag(0, …, 0, q) (the last layer learned, the earlier ones not).
@@ -28,7 +31,7 @@ T = 2 ≤ 2 ms per sample at ≤ 1e-4.
                                   [--l3-reference-samples K3] [--l3-timing-samples N3] [--pinned]
                                   [--routes reparam noisy] [--tokens T ...] [--noise Δ ...] [--self-reference K]
                                   [--self-reference-tol TOL] [--adaptive-reference K] [--t3-reference-n N]
-                                  [--nested-reference K]
+                                  [--nested-reference K] [--theta3-reference K]
 """
 import argparse
 import os
@@ -44,6 +47,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import channel_reference as ref  # noqa: E402
 import nested_reference as nested  # noqa: E402
+import theta3_reference as theta3  # noqa: E402
 
 from smi_core import DeepAttention  # noqa: E402
 from smi_core.channels import DEFAULT_NODES, Channel  # noqa: E402
@@ -56,7 +60,7 @@ CASES = [  # (route, layers, tokens, noise, reference function, settings)
     ("reparam", 2, 3, None, ref.reparam_l2_t3,
      [{}, {"escalation": {"rounds": 3}}, {"error_estimate": False}, {"tol": 1e-6}]),
     ("reparam", 3, 2, None, lambda y, o, V: ref.reparam_l3(y, o, V, n=7),
-     [{}, {"error_estimate": False}, {"tol": 1e-3}, {"tol": 1e-4}]),
+     [{}, {"escalation": {"theta": False}}, {"error_estimate": False}, {"tol": 1e-3}, {"tol": 1e-4}]),
     ("noisy", 1, 2, "Δ", lambda y, o, V, d: ref.noisy_l1(y, o, V, noise=d), [{}, {"error_estimate": False}]),
     ("noisy", 2, 2, "Δ", lambda y, o, V, d: ref.noisy_l2(y, o, V, noise=d), [{}, {"error_estimate": False}]),
 ]
@@ -97,6 +101,9 @@ def main():
     p.add_argument("--nested-reference", type=int, default=0, metavar="K",
                    help="two layers, T = 2: measure the error on K draws against the nested (d, m) rule of "
                         "tests/nested_reference.py (≈ 0.3 s per draw)")
+    p.add_argument("--theta3-reference", type=int, default=0, metavar="K",
+                   help="three layers with --pinned: measure the error on K draws against the nested θ rule of "
+                        "tests/theta3_reference.py (≈ 8 s per draw), where it is within 1e-5 of its coarser level")
     p.add_argument("--t3-reference-n", type=int, default=11, metavar="N",
                    help="nodes per panel of the two-layer T = 3 reference (≈ 20 with the last layer pinned)")
     p.add_argument("--q", type=float, nargs="+", default=[0.0, 0.3, 0.9])
@@ -154,6 +161,15 @@ def rows(a, model, noise, reference, settings, case, four_d, preimage, q, y, ome
         refs = [Fine(g, dg) for g, dg in zip(fine.g_out, fine.dg_out)]
     elif a.nested_reference and L == 2 and T == 2 and not noise:
         refs = [nested.reparam_l2_nested(y[i], omega[i], V) for i in range(min(a.nested_reference, len(y)))]
+    elif a.theta3_reference and L == 3 and a.pinned:
+        k = min(a.theta3_reference, len(y))
+        u = model.channel(threads=1)._polar_input(y[:k])
+        g, dg, error = theta3.reference(u, omega[:k], V, levels=((45, 33), (57, 33)))
+        keep = np.flatnonzero(error <= 1e-5)
+        order = np.concatenate([keep, np.flatnonzero(error > 1e-5), np.arange(k, len(y))])   # all timed
+        y, omega = y[order], omega[order]
+        refs = [Fine(g[i], dg[i]) for i in keep]
+        case = f"{case} {len(keep)}/{k}"
     elif a.adaptive_reference and noise and L == 2:
         refs = adaptive_reference(model, noise, y[:a.adaptive_reference], omega[:a.adaptive_reference], V)
     else:

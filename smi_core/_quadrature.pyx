@@ -2422,7 +2422,7 @@ cdef extern from *:
        for each of the two weight sets.  h = Φ⁻¹u; the sign s of hᵀPω picks the larger term,
        y = s h − ω its deviation, E = −½ yᵀPy − log|det Φ| its log weight and e^(E − 2|hᵀPω|)
        the other's (at −s h).  st = [running max, the sums of each set relative to e^max]: the
-       tile's E and t = 2|hᵀPω| go into buf, the sums are rescaled when the tile raises the max,
+       tile's E, t = 2|hᵀPω| and y go into buf, the sums are rescaled when the tile raises the max,
        then e = e^(E − max), q = e^−t and, per set, [Σ w e(1 + q), Σ w e q, Σ w e y (2),
        Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)] and Σ w_r e (1 + q) per moment row r
        are added.  A tile below e^−SMI_THETA_SKIP of the max adds nothing. */
@@ -2431,22 +2431,21 @@ cdef extern from *:
     static void smi_theta_tile(long K, int M, long k0, long k1, const double* restrict nodes,
                                const double* restrict W, const double* u, const double* omega,
                                const double* P, double* restrict buf, double* restrict st) {
-        const double* F00 = nodes; const double* F01 = nodes + K; const double* F10 = nodes + 2 * K;
-        const double* F11 = nodes + 3 * K; const double* LD = nodes + 4 * K;
+        const double* F00 = nodes + k0; const double* F01 = nodes + K + k0; const double* F10 = nodes + 2 * K + k0;
+        const double* F11 = nodes + 3 * K + k0; const double* LD = nodes + 4 * K + k0;
         double u0 = u[0], u1 = u[1], w0 = omega[0], w1 = omega[1], p00 = P[0], p01 = P[1], p11 = P[2];
         double v0 = p00 * w0 + p01 * w1, v1 = p01 * w0 + p11 * w1, mx = -INFINITY;
         long n = k1 - k0;
-        double* E = buf; double* T = buf + n;
+        double* E = buf; double* Q = buf + n; double* G = buf + 2 * n; double* Y0 = buf + 3 * n; double* Y1 = buf + 4 * n;
         int S = SMI_THETA_SUMS + M;
         #pragma omp simd reduction(max:mx)
         for (long k = 0; k < n; k++) {
-            long j = k0 + k;
-            double h0 = F00[j] * u0 + F01[j] * u1, h1 = F10[j] * u0 + F11[j] * u1;
+            double h0 = F00[k] * u0 + F01[k] * u1, h1 = F10[k] * u0 + F11[k] * u1;
             double s = h0 * v0 + h1 * v1, sg = s < 0 ? -1.0 : 1.0;
             double y0 = sg * h0 - w0, y1 = sg * h1 - w1;
-            double e = -0.5 * (p00 * y0 * y0 + 2.0 * p01 * y0 * y1 + p11 * y1 * y1) - LD[j];
+            double e = -0.5 * (p00 * y0 * y0 + 2.0 * p01 * y0 * y1 + p11 * y1 * y1) - LD[k];
             e = SMI_FINITE(e) ? e : -INFINITY;
-            E[k] = e; T[k] = 2.0 * fabs(s);
+            E[k] = e; Q[k] = 2.0 * fabs(s); Y0[k] = y0; Y1[k] = y1;
             mx = SMI_MAX(mx, e);
         }
         if (!(mx > st[0] - SMI_THETA_SKIP)) return;
@@ -2457,19 +2456,16 @@ cdef extern from *:
         }
         mx = st[0];
         #pragma omp simd
-        for (long k = 0; k < n; k++) {
-            E[k] = smi_exp_neg(E[k] - mx); T[k] = smi_exp_neg(-T[k]);
+        for (long k = 0; k < n; k++) {            /* E ← e, Q ← e q, G ← e (1 + q) */
+            double e = smi_exp_neg(E[k] - mx), eq = e * smi_exp_neg(-Q[k]);
+            E[k] = e; Q[k] = eq; G[k] = e + eq;
         }
         for (int set = 0; set < 2; set++) {
             const double* w = W + (1 + M) * set * K + k0;
             double z = 0, zq = 0, m0 = 0, m1 = 0, q0 = 0, q1 = 0, s00 = 0, s01 = 0, s11 = 0;
             #pragma omp simd reduction(+:z, zq, m0, m1, q0, q1, s00, s01, s11)
             for (long k = 0; k < n; k++) {
-                long j = k0 + k;
-                double h0 = F00[j] * u0 + F01[j] * u1, h1 = F10[j] * u0 + F11[j] * u1;
-                double sg = h0 * v0 + h1 * v1 < 0 ? -1.0 : 1.0;
-                double y0 = sg * h0 - w0, y1 = sg * h1 - w1;
-                double we = w[k] * E[k], wq = we * T[k], wt = we + wq;
+                double we = w[k] * E[k], wq = w[k] * Q[k], wt = w[k] * G[k], y0 = Y0[k], y1 = Y1[k];
                 z += wt; zq += wq; m0 += we * y0; m1 += we * y1; q0 += wq * y0; q1 += wq * y1;
                 s00 += wt * y0 * y0; s01 += wt * y0 * y1; s11 += wt * y1 * y1;
             }
@@ -2480,7 +2476,7 @@ cdef extern from *:
                 const double* wr = w + (1 + r) * K;
                 double a = 0;
                 #pragma omp simd reduction(+:a)
-                for (long k = 0; k < n; k++) a += wr[k] * (E[k] + E[k] * T[k]);
+                for (long k = 0; k < n; k++) a += wr[k] * G[k];
                 o[SMI_THETA_SUMS + r] += a;
             }
         }
@@ -2518,7 +2514,7 @@ def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, cons
     out[:, 1:] = 0.0
     with nogil:
         for c in prange((n + chunk - 1) // chunk, num_threads=threads, schedule="dynamic"):
-            buf = <double*> malloc(2 * tile * sizeof(double))
+            buf = <double*> malloc(5 * tile * sizeof(double))
             for j in range((K + tile - 1) // tile):
                 k0 = j * tile
                 for i in range(c * chunk, min(n, c * chunk + chunk)):

@@ -399,12 +399,19 @@ class ReparamChannel(PolarRule, Channel):
     THETA = dict(levels=(33, 57, 81), resolve=1.5, start=3.0, margin=0.25)
 
     # three layers, T = 2, the first two not learned (ω_1 = ω_2 = 0, V diagonal: state evolution
-    # at q = diag(0, 0, q₃₃)) and the last layer pinned (V₃₃ ≤ ``pinned``, where the polar rule
-    # stalls: up to 1.2 off by default at q₃₃ = 0.99): the nested θ rule (smi_core.theta3_rule)
-    # at (n_1, n_2) for each of ``levels``, as the two-layer rule with w = √V₃₃ (c + √2)²/|ω_31 −
-    # ω_32| (‖Φ⁽²⁾‖ ≤ (c + √2)²) and min(n_1, n_2)·w against ``resolve`` / ``start``, a sample
-    # standing at ``margin`` × the target (``tol``, else ``escalate``).
-    THETA3 = dict(levels=((21, 21), (33, 33)), resolve=1.5, start=3.0, margin=0.25, pinned=0.1)
+    # at q = diag(0, 0, q₃₃)) and the last layer pinned (V₃₃ ≤ ``pinned``; at q₃₃ = 0.9 the polar
+    # rule converges, 7e-7 against twice its counts, at 0.99 it is up to 1.2 off): the nested θ
+    # rule (smi_core.theta3_rule) at (n_1, n_2) nodes per layer for each of ``levels`` while its
+    # estimate is above ``margin`` × the target (``tol``, else ``escalate``); without ``tol`` the
+    # last level's result stands for every sample left, with its estimate (flagged where above the
+    # target: better than the polar rule's there), with ``tol`` those go on to the polar rounds
+    # and the adaptive rule (``_pinned3``).
+    # No width guard: the likelihood is broad in θ (on a q₃₃ = 0.99 draw 60–100 % of the nodes
+    # within e^−60 of the largest), and w = √V₃₃ (c + √2)²/|ω_31 − ω_32| did not tell the levels'
+    # samples apart.  On 256 draws at q₃₃ = 0.99 (seed 0), against the rule at (57, 33): a level
+    # took 96 / 142 / 212 / 236 of them at (15, 15) / (21, 21) / (33, 27) / (45, 33), within
+    # 3.5e-6 / 2.2e-6 / 6.1e-6 / 5.4e-7 (the estimate up to 23× below the error, so the margin).
+    THETA3 = dict(levels=((15, 15), (21, 21), (33, 27), (45, 33)), margin=0.25, pinned=0.05)
 
     def _theta_applies(self, omega, V):
         """Per sample: T = 2, the θ rule on and a target (``_theta_target``), the earlier layers not
@@ -427,8 +434,8 @@ class ReparamChannel(PolarRule, Channel):
     def _theta(self, y, omega, V, Vinv, out, idx):
         """The θ rule's levels for the samples (y, ω, V) (``_theta_applies``), each set of prior
         variances V_ℓℓ (ℓ < L) apart; its results (log Z, E[Z], Cov[Z], estimate) written into
-        ``out`` at idx where the estimate ends below ``margin`` × the target.  Returns the mask of
-        those samples."""
+        ``out`` at idx where the estimate ends below ``margin`` × the target (three layers without
+        ``tol``: and every sample at the last level).  Returns the mask of those samples."""
         L = self.model.layers
         settings = self.THETA if L == 2 else self.THETA3
         goal = self._theta_target() * settings["margin"]
@@ -437,12 +444,13 @@ class ReparamChannel(PolarRule, Channel):
         prec = np.stack([Vinv[:, -1, -1], np.zeros(len(y)), Vinv[:, -1, -1]], axis=1)
         omega_l = np.ascontiguousarray(omega[:, -1])
         done = np.zeros(len(y), dtype=bool)
-        width = self._theta_width(omega, V)
+        width = self._theta_width(omega, V) if L == 2 else np.full(len(y), np.inf)     # L = 3: no guard
         priors = np.einsum("nii->ni", V)[:, :L - 1]
         levels = settings["levels"]
         for v in np.unique(priors, axis=0):
             for n in levels:
-                least = settings["resolve" if n == levels[-1] else "start"]
+                last = L == 3 and n == levels[-1] and self.tol is None
+                least = settings.get("resolve" if n == levels[-1] else "start", 0.0)
                 i = np.flatnonzero((priors == v).all(axis=1) & ~done & (np.min(n) * width >= least))
                 if not i.size:
                     continue
@@ -451,18 +459,16 @@ class ReparamChannel(PolarRule, Channel):
                 _quadrature.theta_product(nodes, weights, u[i], omega_l[i], prec[i], sums, self.threads)
                 full, cut = (theta_rule.sums(sums, s, omega_l[i], v, V[i, -1, -1]) for s in (0, 1))
                 estimate = self._spread([full, cut], omega[i], V[i], Vinv[i], ref[i])
-                take = estimate <= goal
+                take = (estimate <= goal) | last
                 for a, b in zip(out, (*_about(ref[i], *full), estimate)):
                     a[idx[i[take]]] = b[take]
                 done[i[take]] = True
         return done
 
     def _theta_width(self, omega, V):
-        """The likelihood's sd in θ (theta_rule): w = √V_LL (c + √2)^(L−1)/|ω_L1 − ω_L2|, ‖Φ_ℓ‖ ≤ c + √2."""
-        L = self.model.layers
+        """The likelihood's sd in θ (theta_rule): w = √V₂₂ (c + √2)/|ω_21 − ω_22|, ‖Φ‖ ≤ c + √2."""
         with np.errstate(divide="ignore"):
-            return (np.sqrt(V[:, -1, -1]) * (self.model.skip + np.sqrt(2)) ** (L - 1)
-                    / np.abs(omega[:, -1, 0] - omega[:, -1, 1]))
+            return np.sqrt(V[:, 1, 1]) * (self.model.skip + np.sqrt(2)) / np.abs(omega[:, 1, 0] - omega[:, 1, 1])
 
     def _theta_rule(self, priors, n):
         """(node rows, weights) of the θ rule at level n for prior variances ``priors`` (V_ℓℓ,

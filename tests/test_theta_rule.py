@@ -77,21 +77,22 @@ def test_theta_moments_of_a_correlated_prior():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="three layers with the last layer pinned: the channel at tol=1e-4 is "
-                                        "1.7e-4 off on draw 15, estimating 6.8e-5 (issue #3, 2026-12-03)")
 def test_reparam_l3_pinned_against_the_nested_theta_reference():
     """Three layers at q = diag(0, 0, 0.99) (seed 0, 24 draws: benchmarks/channels.py's): the
-    channel at tol=1e-4 within 1e-4 of the nested θ reference (tests/theta3_reference.py) where
-    its own estimate is below 1e-5 (19 draws).  On the first 12 alone it is (within 1e-4)."""
+    channel by default (the three-layer θ rule) within 1e-4 of the nested θ reference
+    (tests/theta3_reference.py at (57, 33) nodes per layer) where that is within 1e-5 of its
+    (45, 33) level, and its estimate below the default target (1e-4) there.  Before the rule
+    (2026-12-03) the default was up to 4.3e-3 off on these draws and `tol=1e-4` 1.7e-4."""
     m = DeepAttention(3, 2)
     y, omega, V = _draws(m, [0.0, 0.0, 0.99], 24, 0)
-    ch = m.channel(tol=1e-4)
-    g, dg, error = theta3.reference(ch._polar_input(y), omega, V)
+    ch = m.channel()
+    g, dg, error = theta3.reference(ch._polar_input(y), omega, V, levels=((45, 33), (57, 33)))
     good = error <= 1e-5
-    assert good.sum() >= len(y) // 2, error
+    assert good.sum() >= 3 * len(y) // 4, error
     mo = ch.moments(y[good], omega[good], V)
     worst = max(metric(mo.g_out[i], mo.dg_out[i], a, b) for i, (a, b) in enumerate(zip(g[good], dg[good])))
     assert worst <= 1e-4, worst
+    assert (mo.error <= 1e-4).all(), mo.error
 
 
 @pytest.mark.parametrize("skip", [1.0, 0.6])
@@ -111,7 +112,7 @@ def test_reparam_l3_theta_rule_is_the_nested_rule(skip, tmp_path, monkeypatch):
         m = DeepAttention(3, 2, skip=skip)
         y, omega, V = _draws(m, [0.0, 0.0, 0.99], 8, 3)
         ch = m.channel()
-        ch.THETA3 = dict(ch.THETA3, levels=((9, 13),), resolve=0.0, margin=np.inf)
+        ch.THETA3 = dict(ch.THETA3, levels=((9, 13),))
         Vb = np.broadcast_to(V, (len(y), 3, 3))
         assert ch._theta_applies(omega, Vb).all()
         mo = ch.moments(y, omega, V)
