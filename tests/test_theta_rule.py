@@ -95,12 +95,12 @@ def test_reparam_l3_pinned_against_the_nested_theta_reference():
     assert (mo.error <= 1e-4).all(), mo.error
 
 
-@pytest.mark.parametrize("skip", [1.0, 0.6])
-def test_reparam_l3_theta_rule_is_the_nested_rule(skip, tmp_path, monkeypatch):
+@pytest.mark.parametrize("skip, beta", [(1.0, 1.0), (0.6, 2.0)])
+def test_reparam_l3_theta_rule_is_the_nested_rule(skip, beta, tmp_path, monkeypatch):
     """The channel's three-layer θ rule (one ``theta_product`` pass over the n_1² n_2² nodes, Φ from
     the generated kernels) is the numpy nested rule of tests/theta3_reference.py (a loop over θ_1,
     Φ written out) at the same levels, to rounding: a small rule (inner DEGREE 13, K = 3, level
-    (9, 13)) at q = diag(0, 0, 0.99), and the channel returns it."""
+    (9, 13)) at q = diag(0, 0, 0.99), and the channel returns it; c and β other than 1 too."""
     monkeypatch.setenv("SMI_CACHE", str(tmp_path))
     monkeypatch.setattr(theta3_rule, "DEGREE", 13)
     monkeypatch.setattr(theta3_rule, "K", 3)
@@ -109,14 +109,14 @@ def test_reparam_l3_theta_rule_is_the_nested_rule(skip, tmp_path, monkeypatch):
     for f in (theta_rule.moments, theta_rule.weights):
         f.cache_clear()
     try:
-        m = DeepAttention(3, 2, skip=skip)
+        m = DeepAttention(3, 2, skip=skip, beta=beta)
         y, omega, V = _draws(m, [0.0, 0.0, 0.99], 8, 3)
         ch = m.channel()
         ch.THETA3 = dict(ch.THETA3, levels=((9, 13),))
         Vb = np.broadcast_to(V, (len(y), 3, 3))
         assert ch._theta_applies(omega, Vb).all()
         mo = ch.moments(y, omega, V)
-        full, cut = theta3.moments(ch._polar_input(y), omega, V, skip, 1.0, 9, 13)
+        full, cut = theta3.moments(ch._polar_input(y), omega, V, skip, beta, 9, 13)
         g, dg = theta3.denoiser(omega, V, *full[1:])
         for i in range(len(y)):
             assert metric(mo.g_out[i], mo.dg_out[i], g[i], dg[i]) <= 1e-10, i
