@@ -411,13 +411,19 @@ class ReparamChannel(PolarRule, Channel):
     # samples apart.  On 256 draws at q₃₃ = 0.99 (seed 0), against the rule at (57, 33): a level
     # took 96 / 142 / 212 / 236 of them at (15, 15) / (21, 21) / (33, 27) / (45, 33), within
     # 3.5e-6 / 2.2e-6 / 6.1e-6 / 5.4e-7 (the estimate up to 23× below the error, so the margin).
-    THETA3 = dict(levels=((15, 15), (21, 21), (33, 27), (45, 33)), margin=0.25, pinned=0.05)
+    # skip: the table's interpolation in θ_1 (K = 9, not in the estimate) degrades as c → 0, where
+    # Φ_1 turns singular at the wedge's edge: K = 9 against 13 at (33, 27), 32 draws at q₃₃ = 0.99
+    # on the samples resolved, median / max 1.3e-8 / 1.3e-7 at c = 1 (β = 2), 1.3e-6 / 1.6e-5 at
+    # c = 0.5, 5.5e-4 / 9.5e-3 at c = 0.1.
+    THETA3 = dict(levels=((15, 15), (21, 21), (33, 27), (45, 33)), margin=0.25, pinned=0.05, skip=0.5)
 
     def _theta_applies(self, omega, V):
         """Per sample: T = 2, the θ rule on and a target (``_theta_target``), the earlier layers not
-        learned (ω_ℓ = 0 and V diagonal) and, for three layers, V₃₃ ≤ THETA3["pinned"]."""
+        learned (ω_ℓ = 0 and V diagonal) and, for three layers, c ≥ THETA3["skip"] and V₃₃ ≤
+        THETA3["pinned"]."""
         L = self.model.layers
-        if not (L in (2, 3) and self.T == 2 and self.escalation.get("theta") and self._theta_target() is not None):
+        if not (L in (2, 3) and self.T == 2 and self.escalation.get("theta") and self._theta_target() is not None
+                and (L == 2 or self.model.skip >= self.THETA3["skip"])):
             return np.zeros(len(omega), dtype=bool)
         off = V - np.einsum("nii->ni", V)[:, :, None] * np.eye(L)
         ok = (omega[:, :L - 1] == 0).all(axis=(1, 2)) & (off == 0).all(axis=(1, 2))

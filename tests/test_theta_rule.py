@@ -124,6 +124,7 @@ def test_reparam_l3_theta_rule_is_the_nested_rule(skip, beta, tmp_path, monkeypa
         for f in (theta_rule.moments, theta_rule.weights):
             f.cache_clear()
     assert m.channel(escalation={"theta": False})._theta_applies(omega, Vb).sum() == 0
+    assert not DeepAttention(3, 2, skip=0.1).channel()._theta_applies(omega, Vb).any()         # c < THETA3['skip']
     assert not ch._theta_applies(omega, np.broadcast_to(np.diag([1.0, 1.0, 0.5]), Vb.shape)).any()   # not pinned
 
 
