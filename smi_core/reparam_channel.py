@@ -450,14 +450,16 @@ class ReparamChannel(PolarRule, Channel):
         prec = np.stack([Vinv[:, -1, -1], np.zeros(len(y)), Vinv[:, -1, -1]], axis=1)
         omega_l = np.ascontiguousarray(omega[:, -1])
         done = np.zeros(len(y), dtype=bool)
-        width = self._theta_width(omega, V) if L == 2 else np.full(len(y), np.inf)     # L = 3: no guard
+        width = self._theta_width(omega, V) if L == 2 else None         # three layers: no width guard
         priors = np.einsum("nii->ni", V)[:, :L - 1]
         levels = settings["levels"]
         for v in np.unique(priors, axis=0):
             for n in levels:
                 last = L == 3 and n == levels[-1] and self.tol is None
-                least = settings.get("resolve" if n == levels[-1] else "start", 0.0)
-                i = np.flatnonzero((priors == v).all(axis=1) & ~done & (np.min(n) * width >= least))
+                todo = (priors == v).all(axis=1) & ~done
+                if width is not None:
+                    todo &= n * width >= settings["resolve" if n == levels[-1] else "start"]
+                i = np.flatnonzero(todo)
                 if not i.size:
                     continue
                 nodes, weights = self._theta_rule(tuple(v), n)
@@ -490,10 +492,10 @@ class ReparamChannel(PolarRule, Channel):
             phi1 = np.linalg.inv(self._theta_layer1(theta3_rule.K)[1])
             inner = theta3_rule.interpolate(theta3_rule.table(beta * priors[1], phi1), n[0])
             self._theta_weights[n] = theta3_rule.weights(beta * priors[0], inner, self._theta_layer1(n[0])[1], *n)
-        g = theta_rule.grid(n[1], beta)
 
         def preimages():
             h1, phi1inv = self._theta_layer1(n[0])
+            g = theta_rule.grid(n[1], beta)
             h2 = np.einsum("iab,bj->aij", phi1inv, g)                        # h_2 = Φ_1⁻¹g per (θ_1, θ_2) node
             return np.concatenate([np.repeat(h1, g.shape[1], axis=1), h2.reshape(2, -1)])
         return self._theta_nodes(n, preimages), self._theta_weights[n]
