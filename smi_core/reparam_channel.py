@@ -406,8 +406,8 @@ class ReparamChannel(PolarRule, Channel):
     # last level's result stands for every sample left, with its estimate (flagged where above the
     # target: better than the polar rule's there), with ``tol`` those go on to the polar rounds
     # and the adaptive rule (``_pinned3``).
-    # No width guard: the likelihood is broad in θ (on a q₃₃ = 0.99 draw 60–100 % of the nodes
-    # within e^−60 of the largest), and w = √V₃₃ (c + √2)²/|ω_31 − ω_32| did not tell the levels'
+    # No width guard: the likelihood is broad in θ (on 8 draws at q₃₃ = 0.99, 77–100 % of the
+    # (21, 21) nodes within e^−60 of the largest), and w = √V₃₃ (c + √2)²/|ω_31 − ω_32| did not tell the levels'
     # samples apart.  On 256 draws at q₃₃ = 0.99 (seed 0), against the rule at (57, 33): a level
     # took 96 / 142 / 212 / 236 of them at (15, 15) / (21, 21) / (33, 27) / (45, 33), within
     # 3.5e-6 / 2.2e-6 / 6.1e-6 / 5.4e-7 (the estimate up to 23× below the error, so the margin).
