@@ -2418,18 +2418,18 @@ def piece_segments(const long[::1] sample, const long[::1] seg_start, const long
 cdef extern from *:
     """
     /* The θ rule's sums for one sample over nodes [k0, k1) (theta_product): K nodes by columns
-       (stride K) with rows [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, M moment weights]
+       (stride K) with rows [Φ⁻¹ (2×2, row-major), log|det Φ|] and W rows [w, 3 moment weights]
        for each of the two weight sets.  h = Φ⁻¹u; the sign s of hᵀPω picks the larger term,
        y = s h − ω its deviation, E = −½ yᵀPy − log|det Φ| its log weight and E − 2|hᵀPω| the
        other's (at −s h).  st = [running max, the sums of each set relative to e^max].  Pass 1
        (``smi_theta_logw``): the tile's E into buf, its max and the reflections' max; the sums are
-       rescaled when the tile raises the running max.  Pass 2 (``smi_theta_sums``, in registers:
-       h and y recomputed, each M compiled apart): e = e^(E − max), q = e^−2|hᵀPω| and, per set,
-       [Σ w e(1 + q), Σ w e q, Σ w e y (2), Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)] and
-       Σ w_r e (1 + q) per moment row r.  A tile below e^−SMI_THETA_SKIP of the max adds nothing,
-       nor do its reflections where all of them are that far below (q = 0: pinned, |hᵀPω| is
-       large).  512-bit vectors where the host has them: 10.6 against 14 ns per node at M = 6. */
-    #define SMI_THETA_SUMS 9
+       rescaled when the tile raises the running max.  Pass 2 (``smi_theta_sums``, in registers,
+       h and y recomputed): e = e^(E − max), q = e^−2|hᵀPω| and, per set, [Σ w e(1 + q), Σ w e q,
+       Σ w e y (2), Σ w e q y (2), Σ w e (1 + q) y yᵀ (3: 00, 01, 11)] and Σ w_r e (1 + q) per
+       moment row r, into sums.  A tile below e^−SMI_THETA_SKIP of the max adds nothing, nor do
+       its reflections where all of them are that far below (q = 0: pinned, |hᵀPω| is large).
+       512-bit vectors where the host has them (10.6 against 14 ns per node, 14 rows). */
+    #define SMI_THETA_SUMS 12   /* per set: the 9 sums and 3 moment rows */
     #define SMI_THETA_SKIP 60.0
     #define SMI_THETA_TARGET __attribute__((always_inline, target("prefer-vector-width=512")))
     #define SMI_THETA_NODE                                                                          \
@@ -2441,15 +2441,10 @@ cdef extern from *:
           o##z += wt; o##m0 += we * y0; o##m1 += we * y1;                                           \
           if (reflect) { o##zq += wq; o##q0 += wq * y0; o##q1 += wq * y1; }                         \
           o##s00 += wt * y0 * y0; o##s01 += wt * y0 * y1; o##s11 += wt * y1 * y1;                   \
-          o##r0 += (w)[K + k] * g; o##r1 += (w)[2 * K + k] * g; o##r2 += (w)[3 * K + k] * g;        \
-          if (M > 3) { o##r3 += (w)[4 * K + k] * g; o##r4 += (w)[5 * K + k] * g; o##r5 += (w)[6 * K + k] * g; } }
+          o##r0 += (w)[K + k] * g; o##r1 += (w)[2 * K + k] * g; o##r2 += (w)[3 * K + k] * g; }
     #define SMI_THETA_VARS(o) o##z = 0, o##zq = 0, o##m0 = 0, o##m1 = 0, o##q0 = 0, o##q1 = 0, o##s00 = 0, \
-        o##s01 = 0, o##s11 = 0, o##r0 = 0, o##r1 = 0, o##r2 = 0, o##r3 = 0, o##r4 = 0, o##r5 = 0
-    #define SMI_THETA_RED(o) o##z, o##zq, o##m0, o##m1, o##q0, o##q1, o##s00, o##s01, o##s11, \
-        o##r0, o##r1, o##r2, o##r3, o##r4, o##r5
-    #define SMI_THETA_STORE(o, d)                                                                   \
-        { double r[15] = {SMI_THETA_RED(o)};                                                        \
-          for (int j = 0; j < SMI_THETA_SUMS + M; j++) (d)[j] += r[j]; }
+        o##s01 = 0, o##s11 = 0, o##r0 = 0, o##r1 = 0, o##r2 = 0
+    #define SMI_THETA_RED(o) o##z, o##zq, o##m0, o##m1, o##q0, o##q1, o##s00, o##s01, o##s11, o##r0, o##r1, o##r2
     #define SMI_THETA_ARGS long K, long k0, long k1, const double* restrict nodes, const double* u,  \
                            const double* omega, const double* P
     #define SMI_THETA_LOCALS                                                                        \
@@ -2472,12 +2467,11 @@ cdef extern from *:
         }
         out[0] = mx; out[1] = mq;
     }
-    static inline SMI_THETA_TARGET void smi_theta_sums(SMI_THETA_ARGS, const int M, const int reflect,
-                                                       const double* restrict W, const double* restrict E,
-                                                       double mx, double* restrict st) {
+    static inline SMI_THETA_TARGET void smi_theta_sums(SMI_THETA_ARGS, const int reflect, const double* restrict W,
+                                                       const double* restrict E, double mx, double* restrict sums) {
         SMI_THETA_LOCALS
         (void) LD;
-        const double* wa = W + k0; const double* wb = W + (1 + M) * K + k0;
+        const double* wa = W + k0; const double* wb = W + 4 * K + k0;
         double SMI_THETA_VARS(a), SMI_THETA_VARS(b);
         #pragma omp simd reduction(+:SMI_THETA_RED(a), SMI_THETA_RED(b))
         for (long k = 0; k < n; k++) {
@@ -2486,64 +2480,93 @@ cdef extern from *:
             SMI_THETA_SET(a, wa)
             SMI_THETA_SET(b, wb)
         }
-        SMI_THETA_STORE(a, st)
-        SMI_THETA_STORE(b, st + SMI_THETA_SUMS + M)
+        double r[2 * SMI_THETA_SUMS] = {SMI_THETA_RED(a), SMI_THETA_RED(b)};
+        for (int j = 0; j < 2 * SMI_THETA_SUMS; j++) sums[j] = r[j];
     }
+    /* One tile into st (1 + 2 S sums).  Plain (outer NULL, S = 12): the sums as they are.  Nested
+       (three layers, S = 15): the tile is the block of θ_1 node b, W its inner rows [w_2, the three
+       of h_2h_2ᵀ] per set, and outer (8 × B) the outer ones [w_1, w_1^(00), w_1^(01), w_1^(11)]
+       per set: the 9 sums and h_2h_2ᵀ's scaled by w_1, h_1h_1ᵀ's = w_1^(ab) Σ w_2 e(1 + q). */
     __attribute__((target("prefer-vector-width=512")))
-    static void smi_theta_tile(long K, int M, long k0, long k1, const double* restrict nodes,
-                               const double* restrict W, const double* u, const double* omega,
+    static void smi_theta_tile(long K, long k0, long k1, const double* restrict nodes, const double* restrict W,
+                               const double* outer, long B, long b, const double* u, const double* omega,
                                const double* P, double* restrict buf, double* restrict st) {
-        double m[2];
+        double m[2], t[2 * SMI_THETA_SUMS];
+        int S = outer ? SMI_THETA_SUMS + 3 : SMI_THETA_SUMS;
         smi_theta_logw(K, k0, k1, nodes, u, omega, P, buf, m);
         if (!(m[0] > st[0] - SMI_THETA_SKIP)) return;
         if (m[0] > st[0]) {
             double scale = st[0] > -INFINITY ? exp(st[0] - m[0]) : 0.0;
-            for (int j = 1; j <= 2 * (SMI_THETA_SUMS + M); j++) st[j] *= scale;
+            for (int j = 1; j <= 2 * S; j++) st[j] *= scale;
             st[0] = m[0];
         }
-        int reflect = m[1] > st[0] - SMI_THETA_SKIP;
-        if (M == 3 && reflect) smi_theta_sums(K, k0, k1, nodes, u, omega, P, 3, 1, W, buf, st[0], st + 1);
-        else if (M == 3) smi_theta_sums(K, k0, k1, nodes, u, omega, P, 3, 0, W, buf, st[0], st + 1);
-        else if (reflect) smi_theta_sums(K, k0, k1, nodes, u, omega, P, 6, 1, W, buf, st[0], st + 1);
-        else smi_theta_sums(K, k0, k1, nodes, u, omega, P, 6, 0, W, buf, st[0], st + 1);
+        if (m[1] > st[0] - SMI_THETA_SKIP) smi_theta_sums(K, k0, k1, nodes, u, omega, P, 1, W, buf, st[0], t);
+        else smi_theta_sums(K, k0, k1, nodes, u, omega, P, 0, W, buf, st[0], t);
+        for (int set = 0; set < 2; set++) {
+            double* o = st + 1 + S * set; const double* ts = t + SMI_THETA_SUMS * set;
+            if (!outer) {
+                for (int j = 0; j < SMI_THETA_SUMS; j++) o[j] += ts[j];
+                continue;
+            }
+            const double* c = outer + 4 * set * B + b;
+            for (int j = 0; j < 9; j++) o[j] += c[0] * ts[j];
+            for (int r = 0; r < 3; r++) {
+                o[9 + r] += c[(1 + r) * B] * ts[0];
+                o[12 + r] += c[0] * ts[9 + r];
+            }
+        }
     }
     """
     int SMI_THETA_SUMS
-    void smi_theta_tile(long K, int M, long k0, long k1, const double* nodes, const double* W, const double* u,
-                        const double* omega, const double* P, double* buf, double* st) noexcept nogil
+    void smi_theta_tile(long K, long k0, long k1, const double* nodes, const double* W, const double* outer, long B,
+                        long b, const double* u, const double* omega, const double* P, double* buf,
+                        double* st) noexcept nogil
 
 
-THETA_TILE = 2048       # nodes per tile: a tile's node rows and weights (≈ 300 kB at M = 6) stay in cache
+THETA_TILE = 2048       # nodes per tile (plain): a tile's node rows and weights (≈ 200 kB) stay in cache
 THETA_CHUNK = 16        # samples that go over the tiles together
 
 
 def theta_product(const double[:, ::1] nodes, const double[:, ::1] weights, const double[:, ::1] u,
-                  const double[:, ::1] omega, const double[:, ::1] prec, double[:, ::1] out, int threads=0):
+                  const double[:, ::1] omega, const double[:, ::1] prec, double[:, ::1] out, int threads=0,
+                  outer=None):
     """The θ rule (smi_core.theta_rule) on K nodes shared by every sample: ``nodes`` rows [Φ⁻¹
-    (2×2, row-major), log|det Φ|], ``weights`` rows [w, M moment weights] of the full and the
-    truncated rule (2(1 + M) × K); per sample u_L (2), ω_L (2) and P = V_LL⁻¹ as [P_00, P_01, P_11].
-    Row i of ``out``: [max log weight, the 9 + M sums of each weight set] (``smi_theta_tile``),
-    THETA_CHUNK samples at a time over tiles of THETA_TILE nodes (the node data read once per
-    chunk, not per sample)."""
-    cdef Py_ssize_t n = u.shape[0], K = nodes.shape[1], c, i, j, k0
-    cdef Py_ssize_t tile = THETA_TILE, chunk = THETA_CHUNK
-    cdef int M = weights.shape[0] // 2 - 1
+    (2×2, row-major), log|det Φ|], ``weights`` rows [w, 3 moment weights] of the full and the
+    truncated rule (8 × K); per sample u_L (2), ω_L (2) and P = V_LL⁻¹ as [P_00, P_01, P_11].
+    Row i of ``out``: [max log weight, the 12 sums of each weight set] (``smi_theta_tile``).
+    Nested (three layers, smi_core.theta3_rule): ``outer`` (8 × B) the outer weights, the nodes
+    B blocks of K/B (one per θ_1 node) and ``weights`` the inner ones; ``out`` then has the 15
+    sums per set.  THETA_CHUNK samples at a time over tiles of THETA_TILE nodes (nested: the
+    blocks), the node data read once per chunk, not per sample."""
+    cdef Py_ssize_t n = u.shape[0], K = nodes.shape[1], c, i, j, k0, k1
+    cdef Py_ssize_t tile = THETA_TILE, chunk = THETA_CHUNK, B = 0, tiles
+    cdef const double[:, ::1] outer_w
+    cdef const double* outer_p = NULL
+    cdef int S = SMI_THETA_SUMS
     cdef double* buf
     if threads <= 0:
         threads = omp_get_max_threads()
-    if not (nodes.shape[0] == 5 and weights.shape[0] % 2 == 0 and (M == 3 or M == 6) and weights.shape[1] == K and K > 0
+    if outer is not None:
+        outer_w = outer
+        B, S = outer_w.shape[1], SMI_THETA_SUMS + 3
+        if not (outer_w.shape[0] == 8 and B > 0 and K % B == 0):
+            raise ValueError("theta_product needs outer weights of 8 rows over blocks that divide the nodes")
+        outer_p, tile = &outer_w[0, 0], K // B
+    if not (nodes.shape[0] == 5 and weights.shape[0] == 8 and weights.shape[1] == K and K > 0
             and u.shape[1] == 2 and omega.shape[0] == n and omega.shape[1] == 2 and prec.shape[0] == n
-            and prec.shape[1] == 3 and out.shape[0] == n and out.shape[1] == 1 + 2 * (SMI_THETA_SUMS + M)):
-        raise ValueError("theta_product needs nodes of 5 rows, weights of 2(1 + M) rows (M = 3 or 6) over the same nodes, "
-                         "and per sample u (2), omega (2), prec (3) and out (1 + 2(9 + M))")
+            and prec.shape[1] == 3 and out.shape[0] == n and out.shape[1] == 1 + 2 * S):
+        raise ValueError("theta_product needs nodes of 5 rows, weights of 8 rows over the same nodes, and per "
+                         f"sample u (2), omega (2), prec (3) and out (1 + {2 * S})")
+    tiles = (K + tile - 1) // tile
     out[:, 0] = -INFINITY
     out[:, 1:] = 0.0
     with nogil:
         for c in prange((n + chunk - 1) // chunk, num_threads=threads, schedule="dynamic"):
             buf = <double*> malloc(tile * sizeof(double))
-            for j in range((K + tile - 1) // tile):
+            for j in range(tiles):
                 k0 = j * tile
+                k1 = min(K, k0 + tile)
                 for i in range(c * chunk, min(n, c * chunk + chunk)):
-                    smi_theta_tile(K, M, k0, min(K, k0 + tile), &nodes[0, 0], &weights[0, 0], &u[i, 0],
+                    smi_theta_tile(K, k0, k1, &nodes[0, 0], &weights[0, 0], outer_p, B, j, &u[i, 0],
                                    &omega[i, 0], &prec[i, 0], buf, &out[i, 0])
             free(buf)

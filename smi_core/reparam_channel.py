@@ -415,7 +415,8 @@ class ReparamChannel(PolarRule, Channel):
     # Φ_1 turns singular at the wedge's edge: K = 9 against 13 at (33, 27), 32 draws at q₃₃ = 0.99
     # on the samples resolved, median / max 1.3e-8 / 1.3e-7 at c = 1 (β = 2), 1.3e-6 / 1.6e-5 at
     # c = 0.5, 5.5e-4 / 9.5e-3 at c = 0.1.
-    THETA3 = dict(levels=((15, 15), (21, 21), (33, 27), (45, 33)), margin=0.25, pinned=0.05, skip=0.5)
+    THETA3 = dict(levels=((15, 15), (21, 21), (27, 21), (33, 27), (45, 33)), slopes=(-1.5, -1.4, -1.2, -2.0),
+                  margin=0.25, pinned=0.05, skip=0.5)
 
     def _theta_applies(self, omega, V):
         """Per sample: T = 2, the θ rule on and a target (``_theta_target``), the earlier layers not
@@ -453,25 +454,37 @@ class ReparamChannel(PolarRule, Channel):
         width = self._theta_width(omega, V) if L == 2 else None         # three layers: no width guard
         priors = np.einsum("nii->ni", V)[:, :L - 1]
         levels = settings["levels"]
+        step = np.zeros(len(y), dtype=int)                      # three layers: each sample's next level
         for v in np.unique(priors, axis=0):
-            for n in levels:
+            for k, n in enumerate(levels):
                 last = L == 3 and n == levels[-1] and self.tol is None
-                todo = (priors == v).all(axis=1) & ~done
+                todo = (priors == v).all(axis=1) & ~done & ((step == k) if L == 3 else True)
                 if width is not None:
                     todo &= n * width >= settings["resolve" if n == levels[-1] else "start"]
                 i = np.flatnonzero(todo)
                 if not i.size:
                     continue
-                nodes, weights = self._theta_rule(tuple(v), n)
+                nodes, weights, outer = self._theta_rule(tuple(v), n)
                 sums = np.empty((i.size, 1 + 2 * (9 + 3 * (L - 1))))
-                _quadrature.theta_product(nodes, weights, u[i], omega_l[i], prec[i], sums, self.threads)
+                _quadrature.theta_product(nodes, weights, u[i], omega_l[i], prec[i], sums, self.threads, outer)
                 full, cut = (theta_rule.sums(sums, s, omega_l[i], v, V[i, -1, -1]) for s in (0, 1))
                 estimate = self._spread([full, cut], omega[i], V[i], Vinv[i], ref[i])
                 take = (estimate <= goal) | last
                 for a, b in zip(out, (*_about(ref[i], *full), estimate)):
                     a[idx[i[take]]] = b[take]
                 done[i[take]] = True
+                if L == 3 and n != levels[-1]:
+                    step[i] = self._theta_next(k, estimate, goal)
         return done
+
+    def _theta_next(self, k, estimate, goal):
+        """Three layers: the next level for samples whose estimate at level k is ``estimate``, the
+        first whose estimate THETA3["slopes"] (the typical log10 ratio of consecutive levels')
+        predicts to be ≤ goal, at most the last."""
+        slopes = np.asarray(self.THETA3["slopes"][k:])
+        predicted = np.log10(np.maximum(estimate, 1e-300))[:, None] + np.cumsum(slopes)
+        below = predicted <= np.log10(goal)
+        return k + 1 + np.where(below.any(axis=1), below.argmax(axis=1), len(slopes) - 1)
 
     def _theta_width(self, omega, V):
         """The likelihood's sd in θ (theta_rule): w = √V₂₂ (c + √2)/|ω_21 − ω_22|, ‖Φ‖ ≤ c + √2."""
@@ -479,14 +492,15 @@ class ReparamChannel(PolarRule, Channel):
             return np.sqrt(V[:, 1, 1]) * (self.model.skip + np.sqrt(2)) / np.abs(omega[:, 1, 0] - omega[:, 1, 1])
 
     def _theta_rule(self, priors, n):
-        """(node rows, weights) of the θ rule at level n for prior variances ``priors`` (V_ℓℓ,
-        ℓ < L): node rows [Φ⁽ᴸ⁻¹⁾⁻¹ (2×2, row-major), log|det Φ⁽ᴸ⁻¹⁾|] by the generated inverse
-        kernel at a pre-image of each node, kept per n; weights ``theta_rule.weights`` (two
-        layers) or ``theta3_rule.weights`` (three), kept per (priors, n)."""
+        """(node rows, weights, outer weights) of the θ rule at level n for prior variances
+        ``priors`` (V_ℓℓ, ℓ < L): node rows [Φ⁽ᴸ⁻¹⁾⁻¹ (2×2, row-major), log|det Φ⁽ᴸ⁻¹⁾|] by the
+        generated inverse kernel at a pre-image of each node, kept per n; weights
+        ``theta_rule.weights`` (two layers, no outer ones) or the inner and outer ones of
+        ``theta3_rule.weights`` (three), kept per (priors, n)."""
         beta = self.model.beta
         if self.model.layers == 2:
-            return self._theta_nodes(n, lambda: theta_rule.grid(n, beta)), theta_rule.weights(beta * priors[0], n)
-        if self._theta_weights.get("priors") != priors:          # kept for one set of priors (≈ 130 MB at 33)
+            return self._theta_nodes(n, lambda: theta_rule.grid(n, beta)), theta_rule.weights(beta * priors[0], n), None
+        if self._theta_weights.get("priors") != priors:          # kept for one set of priors (≈ 230 MB, all levels)
             self._theta_weights = {"priors": priors}
         if n not in self._theta_weights:
             phi1 = np.linalg.inv(self._theta_layer1(theta3_rule.K)[1])
@@ -498,7 +512,7 @@ class ReparamChannel(PolarRule, Channel):
             g = theta_rule.grid(n[1], beta)
             h2 = np.einsum("iab,bj->aij", phi1inv, g)                        # h_2 = Φ_1⁻¹g per (θ_1, θ_2) node
             return np.concatenate([np.repeat(h1, g.shape[1], axis=1), h2.reshape(2, -1)])
-        return self._theta_nodes(n, preimages), self._theta_weights[n]
+        return (self._theta_nodes(n, preimages), *self._theta_weights[n])
 
     def _theta_layer1(self, n):
         """h_1 (2, n²) at the θ rule's n × n grid (``theta_rule.grid``) and Φ_1⁻¹ there (n², 2, 2),

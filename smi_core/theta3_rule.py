@@ -50,20 +50,21 @@ def interpolate(tab: np.ndarray, n: int) -> np.ndarray:
     return np.einsum("ji,li,jl...->i...", Tp, Tv, coef)
 
 
-def weights(b1: float, inner: np.ndarray, phi1inv: np.ndarray, n1: int, n2: int) -> np.ndarray:
-    """(14, n_1² n_2²) weights, node i·n_2² + j at (θ_1 node i, θ_2 node j): per set (full,
-    truncated) [w, the three of h_1h_1ᵀ/V₁₁ (00, 01, 11), the three of h_2h_2ᵀ/V₂₂] —
-    w = w_1i w_2ij, w_1i^(ab) w_2ij, w_1i (Φ_1i⁻¹ w_2ij^(xx) Φ_1i⁻ᵀ)_ab; ``inner`` the inner
-    moments at the θ_1 nodes (``interpolate``), ``phi1inv`` (n_1², 2, 2) Φ_1⁻¹ there, b1 = βV₁₁."""
+def weights(b1: float, inner: np.ndarray, phi1inv: np.ndarray, n1: int, n2: int) -> tuple[np.ndarray, np.ndarray]:
+    """The nested rule's weights, separable per θ_1 node i (the block of nodes i·n_2² + j, j the
+    θ_2 node): inner (8, n_1² n_2²), per set (full, truncated) [w_2ij, the three of
+    (Φ_1i⁻¹ w_2ij^(xx) Φ_1i⁻ᵀ)_ab] (h_2h_2ᵀ/V₂₂), and outer (8, n_1²), per set [w_1i, the three of
+    w_1i^(ab)] (h_1h_1ᵀ/V₁₁): the node's weight is w_1i w_2ij, h_1h_1ᵀ's w_1i^(ab) w_2ij and
+    h_2h_2ᵀ's w_1i (Φ_1i⁻¹ w_2ij^(xx) Φ_1i⁻ᵀ)_ab (``_quadrature.theta_product`` with ``outer``).
+    ``inner`` the inner moments at the θ_1 nodes (``interpolate``), ``phi1inv`` (n_1², 2, 2) Φ_1⁻¹
+    there, b1 = βV₁₁."""
     W1 = theta_rule.weights(b1, n1)
-    out = np.empty((14, n1 * n1, n2 * n2))
+    out = np.empty((8, n1 * n1, n2 * n2))
     for i in range(n1 * n1):
         W2 = theta_rule.weights_of(inner[i], n2)
         for s in (0, 1):
-            w1, w2 = W1[4 * s:4 * s + 4, i], W2[4 * s:4 * s + 4]
-            X = w2[[1, 2, 2, 3]].reshape(2, 2, -1)              # x xᵀ weights as 2 × 2 × n_2²
+            X = W2[4 * s + np.array([1, 2, 2, 3])].reshape(2, 2, -1)      # x xᵀ weights as 2 × 2 × n_2²
             H = np.einsum("ab,bcj,dc->adj", phi1inv[i], X, phi1inv[i])
-            out[7 * s, i] = w1[0] * w2[0]
-            out[7 * s + 1:7 * s + 4, i] = w1[1:, None] * w2[0]
-            out[7 * s + 4:7 * s + 7, i] = w1[0] * H.reshape(4, -1)[[0, 1, 3]]
-    return np.ascontiguousarray(out.reshape(14, -1))
+            out[4 * s, i] = W2[4 * s]
+            out[4 * s + 1:4 * s + 4, i] = H.reshape(4, -1)[[0, 1, 3]]
+    return np.ascontiguousarray(out.reshape(8, -1)), np.ascontiguousarray(W1)
