@@ -396,7 +396,7 @@ class ReparamChannel(PolarRule, Channel):
     # 5.8× at n·w = 1.2 (a benchmark draw at 0.9999: 1.03e-6 off estimating 7.2e-7), so a sample
     # stands at ``margin`` × the target, n·w ≥ 1.5: all 256 / 192 / 67 taken within 6.3e-8 /
     # 1.1e-7 / 1.2e-7 at 2 166 / 5 172 / 4 010 nodes per sample.
-    THETA = dict(levels=(33, 57, 81), resolve=1.5, start=3.0, margin=0.25)
+    THETA = dict(levels=(33, 57, 81, 121), resolve=1.5, start=3.0, margin=0.25)
 
     # three layers, T = 2, the first two not learned (ω_1 = ω_2 = 0, V diagonal: state evolution
     # at q = diag(0, 0, q₃₃)) and the last layer pinned (V₃₃ ≤ ``pinned``; at q₃₃ = 0.9 the polar

@@ -41,7 +41,8 @@ import numpy as np
 from .quadrature import gauss_legendre
 
 DROP = 2                        # the truncated rule: degree < n − DROP per axis
-DEGREE = 81                     # moments up to this degree (the finest level's n)
+DEGREES = (81, 121)             # the moments' tables, each up to its degree: a level n reads the first ≥ n
+                                # (121 only once a sample reaches that level: ≈ 21 s per b, 7 s at 81)
 REACH = 40.0                    # the prior (∝ e^(−d²/4 − m²)) where it is above e^−REACH
 CLIFFS = 0.125 * 2.0 ** (np.arange(37) / 4)   # m panels from the cliffs, in units of 1/(βd)
 STEP = 0.125                    # d panels beyond the graded ones
@@ -75,10 +76,11 @@ def _attention(d, m, b):
     return 0.5 * (1 + np.tanh(a1 / 2)), np.sinh(b * d * d / 2) * np.exp(-a1 / 2) / np.cosh(a2 / 2)
 
 
-def cache_path(b: float) -> Path:
-    """Where ``moments(b)`` is kept between runs (``cache_file``), named by a digest of b and the
-    moments' rule."""
-    return cache_file("moments", (DEGREE, REACH, CLIFFS.tolist(), STEP, NODES, float(b)))
+def cache_path(b: float, degree: int | None = None) -> Path:
+    """Where ``moments(b, degree)`` is kept between runs (``cache_file``), named by a digest of b
+    and the moments' rule."""
+    degree = degree or DEGREES[0]
+    return cache_file("moments", (degree, REACH, CLIFFS.tolist(), STEP, NODES, float(b)))
 
 
 def cache_file(kind: str, rule) -> Path:
@@ -111,20 +113,22 @@ def cached(path: Path, shape, compute, what: str) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def moments(b: float) -> np.ndarray:
-    """μ (4, DEGREE, DEGREE): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1², x_1x_2, x_2², for
-    x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 7 s per b; read from ``cache_path(b)`` where
-    an earlier run left it."""
-    return cached(cache_path(b), (4, DEGREE, DEGREE), lambda: _moments(b), f"the θ rule's weights for βV₁₁ = {b:g}")
+def moments(b: float, degree: int | None = None) -> np.ndarray:
+    """μ (4, D, D), D = degree (default DEGREES[0]): E[T_j(2p − 1) T_k(2v − 1) f(x)], f = 1, x_1²,
+    x_1x_2, x_2², for x ~ N(0, I) and θ = σ(b·a(x)) (b = βv_1).  ≈ 7 s per b at 81; read from
+    ``cache_path(b, degree)`` where an earlier run left it."""
+    degree = degree or DEGREES[0]
+    return cached(cache_path(b, degree), (4, degree, degree), lambda: _moments(b, degree=degree),
+                  f"the θ rule's weights for βV₁₁ = {b:g} to degree {degree}")
 
 
 def _moments(b, S=None, degree=None, nodes=NODES):
     """``moments`` computed, for x ~ N(0, S) (default I): in (d, m), d ~ N(0, s_d²) and m | d ~
     N(κd, τ²), panels from 0 in d graded ×2 then STEP in units of s_d/√2, and per d node in m cut
     at the softmax's cliffs and at every sd τ of m | d (the walls), where the prior is above
-    e^−REACH.  Degree: DEGREE unless given."""
+    e^−REACH.  Degree: DEGREES[0] unless given."""
     S = np.eye(2) if S is None else np.asarray(S, dtype=float)
-    degree = DEGREE if degree is None else degree
+    degree = degree or DEGREES[0]
     vd, vm, cdm = S[0, 0] + S[1, 1] - 2 * S[0, 1], (S[0, 0] + S[1, 1] + 2 * S[0, 1]) / 4, (S[0, 0] - S[1, 1]) / 2
     kappa, tau, unit = cdm / vd, np.sqrt(vm - cdm * cdm / vd), np.sqrt(vd / 2)
     dmax = unit * np.sqrt(4 * REACH)
@@ -159,9 +163,10 @@ def points(n):
 def weights(b: float, n: int) -> np.ndarray:
     """(8, n²) weights on the n × n grid (node i·n + j at (p_i, v_j)): [w, w_11, w_12, w_22] of the
     full rule, then of the truncated one (degree < n − DROP per axis)."""
-    if n > DEGREE:
-        raise ValueError(f"n must be at most DEGREE = {DEGREE}, got {n}")
-    return weights_of(moments(b), n)
+    degree = next((d for d in DEGREES if d >= n), None)
+    if degree is None:
+        raise ValueError(f"n must be at most DEGREES[-1] = {DEGREES[-1]}, got {n}")
+    return weights_of(moments(b, degree), n)
 
 
 def weights_of(mu, n):

@@ -105,7 +105,7 @@ def test_reparam_l3_theta_rule_is_the_nested_rule(skip, beta, tmp_path, monkeypa
     monkeypatch.setattr(theta3_rule, "DEGREE", 13)
     monkeypatch.setattr(theta3_rule, "K", 3)
     monkeypatch.setattr(theta3_rule, "NODES", 4)
-    monkeypatch.setattr(theta_rule, "DEGREE", 9)            # the outer moments (the same weights at n = 9)
+    monkeypatch.setattr(theta_rule, "DEGREES", (9,))        # the outer moments (the same weights at n = 9)
     for f in (theta_rule.moments, theta_rule.weights):
         f.cache_clear()
     try:
@@ -129,10 +129,10 @@ def test_reparam_l3_theta_rule_is_the_nested_rule(skip, beta, tmp_path, monkeypa
 
 
 def test_theta_moments_cached_on_disk(tmp_path, monkeypatch):
-    """``moments`` writes its table under $SMI_CACHE/theta and reads it back (a small rule: DEGREE
+    """``moments`` writes its table under $SMI_CACHE/theta and reads it back (a small rule: degree
     9); another rule is another file."""
     monkeypatch.setenv("SMI_CACHE", str(tmp_path))
-    monkeypatch.setattr(theta_rule, "DEGREE", 9)
+    monkeypatch.setattr(theta_rule, "DEGREES", (9,))
     theta_rule.moments.cache_clear()
     try:
         first = theta_rule.moments(1.5)
@@ -141,7 +141,7 @@ def test_theta_moments_cached_on_disk(tmp_path, monkeypatch):
         theta_rule.moments.cache_clear()
         np.save(path, 2 * first)                # read back, not computed again
         assert np.array_equal(theta_rule.moments(1.5), 2 * first)
-        monkeypatch.setattr(theta_rule, "DEGREE", 8)
+        monkeypatch.setattr(theta_rule, "DEGREES", (8,))
         assert theta_rule.cache_path(1.5) != path
     finally:
         theta_rule.moments.cache_clear()
