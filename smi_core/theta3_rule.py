@@ -58,13 +58,11 @@ def weights(b1: float, inner: np.ndarray, phi1inv: np.ndarray, n1: int, n2: int)
     h_2h_2ᵀ's w_1i (Φ_1i⁻¹ w_2ij^(xx) Φ_1i⁻ᵀ)_ab (``_quadrature.theta_product`` with ``outer``).
     ``inner`` the inner moments at the θ_1 nodes (``interpolate``), ``phi1inv`` (n_1², 2, 2) Φ_1⁻¹
     there, b1 = βV₁₁."""
-    W1 = theta_rule.weights(b1, n1)
+    W2 = theta_rule.weights_of(inner, n2)                                 # (n_1², 8, n_2²)
     out = np.empty((8, n1 * n1, n2 * n2))
-    for i in range(n1 * n1):
-        W2 = theta_rule.weights_of(inner[i], n2)
-        for s in (0, 1):
-            X = W2[4 * s + np.array([1, 2, 2, 3])].reshape(2, 2, -1)      # x xᵀ weights as 2 × 2 × n_2²
-            H = np.einsum("ab,bcj,dc->adj", phi1inv[i], X, phi1inv[i])
-            out[4 * s, i] = W2[4 * s]
-            out[4 * s + 1:4 * s + 4, i] = H.reshape(4, -1)[[0, 1, 3]]
-    return np.ascontiguousarray(out.reshape(8, -1)), np.ascontiguousarray(W1)
+    for s in (0, 1):
+        X = W2[:, 4 * s + np.array([1, 2, 2, 3])].reshape(-1, 2, 2, n2 * n2)  # x xᵀ weights, 2 × 2 per node
+        H = np.einsum("iab,ibcj,idc->adij", phi1inv, X, phi1inv, optimize=True)
+        out[4 * s] = W2[:, 4 * s]
+        out[4 * s + 1:4 * s + 4] = H.reshape(4, n1 * n1, -1)[[0, 1, 3]]
+    return np.ascontiguousarray(out.reshape(8, -1)), np.ascontiguousarray(theta_rule.weights(b1, n1))

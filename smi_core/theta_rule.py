@@ -170,13 +170,14 @@ def weights(b: float, n: int) -> np.ndarray:
 
 
 def weights_of(mu, n):
-    """``weights`` from Chebyshev moments mu (4, ≥ n, ≥ n) of any prior's pushforward."""
+    """``weights`` from Chebyshev moments mu (…, 4, ≥ n, ≥ n) of any prior's pushforward (any
+    leading axes: one set of weights (…, 8, n²) per prior)."""
     C = points(n)[1]
-    mu = mu[:, :n, :n]
+    mu = mu[..., :n, :n]
     keep = (np.arange(n) < n - DROP).astype(float)
-    full = np.einsum("kjl,ja,lb->kab", mu, C, C)
-    cut = np.einsum("kjl,ja,lb->kab", mu * np.outer(keep, keep), C, C)
-    return np.ascontiguousarray(np.concatenate([full, cut]).reshape(8, n * n))
+    full = C.T @ mu @ C                                     # Σ_jl μ_jl C_ja C_lb
+    cut = C.T @ (mu * np.outer(keep, keep)) @ C
+    return np.ascontiguousarray(np.concatenate([full, cut], axis=-3).reshape(*mu.shape[:-3], 8, n * n))
 
 
 def grid(n, beta):
