@@ -207,3 +207,16 @@ def test_reparam_l2_theta_rule_where_it_applies():
     assert m.channel()._theta_applies(omega, np.broadcast_to(V, (len(y), 2, 2))).all()
     with pytest.raises(ValueError, match="theta"):
         m.channel(escalation={"theta": 1})
+
+
+def test_theta3_next_level_jumps_by_the_estimate():
+    """``_theta_next``: after level k a sample goes to the first later level whose estimate,
+    extrapolated by THETA3["slopes"] (log10 per level), is at most the goal, else to the last.
+    With slopes (−1.5, −1.4, −1.2, −2.0) and goal 1e-5: an estimate of 1e-4 after level 0 needs
+    one level (1e-4 → 10^−5.5), 1e-2 needs three (→ 10^−6.1), 1 needs the last (→ 10^−6.1 only
+    after all four), and 1e3 too (never below: the last)."""
+    ch = DeepAttention(3, 2).channel()
+    ch.THETA3 = dict(ch.THETA3, slopes=(-1.5, -1.4, -1.2, -2.0))
+    est = np.array([1e-4, 1e-2, 1.0, 1e3])
+    assert ch._theta_next(0, est, 1e-5).tolist() == [1, 3, 4, 4]
+    assert ch._theta_next(2, np.array([1e-6, 1e-4, 1.0]), 1e-5).tolist() == [3, 3, 4]
