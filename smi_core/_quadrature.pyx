@@ -2429,9 +2429,10 @@ cdef extern from *:
        moment row r, into sums.  A tile below e^−SMI_THETA_SKIP of the max adds nothing, nor do
        its reflections where all of them are that far below (q = 0: pinned, |hᵀPω| is large).
        512-bit vectors where the host has them.  Three layers at q₃₃ = 0.99 (2026-12-03, one
-       core): 16 ns per node with 14 weight rows in separate passes over buffers, 14 fused with
-       256-bit vectors, 10.6 with 512, 7.5 skipping the reflections, 7.1 with the nested weights'
-       8 rows (``outer``). */
+       core, the levels (21, 21) and (33, 27) of 64 draws): 16 ns per node with 14 weight rows in
+       separate passes over buffers, 14 fused with 256-bit vectors, 10.6 with 512, 7.5 skipping
+       the reflections; in the channel (all levels, 48 draws) 7.7–9.1, and 7.1–8.3 with the nested
+       weights' 8 rows (``outer``). */
     #define SMI_THETA_SUMS 12   /* per set: the 9 sums and 3 moment rows */
     #define SMI_THETA_SKIP 60.0
     #define SMI_THETA_TARGET __attribute__((always_inline, target("prefer-vector-width=512")))

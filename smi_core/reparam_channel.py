@@ -466,7 +466,9 @@ class ReparamChannel(PolarRule, Channel):
         for v in np.unique(priors, axis=0):
             for k, n in enumerate(levels):
                 last = L == 3 and n == levels[-1] and self.tol is None
-                todo = (priors == v).all(axis=1) & ~done & ((step == k) if L == 3 else True)
+                todo = (priors == v).all(axis=1) & ~done
+                if L == 3:
+                    todo &= step == k
                 if width is not None:
                     todo &= n * width >= settings["resolve" if n == levels[-1] else "start"]
                 i = np.flatnonzero(todo)
